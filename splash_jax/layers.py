@@ -1,0 +1,41 @@
+"""Small building blocks shared by the attention and MoE modules: params, RMSNorm, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def init_param(rngs: nnx.Rngs | None, shape, dtype, std=0.02, ones=False) -> nnx.Param:
+    if ones:
+        return nnx.Param(jnp.ones(shape, dtype))
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype, rngs=None):
+        self.weight = init_param(rngs, (dim,), dtype, ones=True)
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: dense layers and DeepSeek's shared experts."""
+
+    def __init__(self, hidden: int, inter: int, dtype, rngs):
+        self.gate = init_param(rngs, (hidden, inter), dtype)
+        self.up = init_param(rngs, (hidden, inter), dtype)
+        self.down = init_param(rngs, (inter, hidden), dtype)
+
+    def __call__(self, x):
+        h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+        return h @ self.down[...]

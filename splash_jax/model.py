@@ -1,0 +1,150 @@
+"""DeepSeek-V2/V3 family decoder in Flax NNX, serving over the paged latent cache.
+
+Parameter layout puts the head axis explicit in every head-sharded attention weight
+(q_b [q_lora, H, Dqk], w_uk [L, H, Dn], w_uv [L, H, Dv], o_proj [H, Dv, D]) so a layout's
+sharding rule is "shard axis `heads`", never a reshape. Linear weights are stored [in, out].
+
+Attention runs in the absorbed form (W_UK folded into the query, W_UV applied after attention
+over the latent); `attention_impl="naive"` selects the non-absorbed form, kept as a check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from splash_jax.attention import dispatch
+from splash_jax.attention.naive import naive_mla_attention
+from splash_jax.kv.cache import KVCache, StepInput, write_kv
+from splash_jax.model_config import ModelConfig
+from splash_jax.layers import MLP, RMSNorm, init_param, rms_norm
+from splash_jax.moe import MoE
+from splash_jax.rope import apply_rope, inverse_frequencies
+
+LATENT_NORM_EPS = 1e-6  # q_a / kv_a norms use DeepSeek's default eps, not config.rms_norm_eps
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    """How the model computes (not what it is): dtype and attention implementation."""
+
+    dtype: str = "float32"
+    attention_impl: str = "auto"  # auto | xla | pallas | naive
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs):
+        d, h = cfg.hidden_size, cfg.num_heads
+        self.cfg = cfg
+        if cfg.q_lora_rank is None:
+            self.q_proj = init_param(rngs, (d, h, cfg.qk_head_dim), dtype)
+        else:
+            self.q_a = init_param(rngs, (d, cfg.q_lora_rank), dtype)
+            self.q_a_norm = init_param(rngs, (cfg.q_lora_rank,), dtype, ones=True)
+            self.q_b = init_param(rngs, (cfg.q_lora_rank, h, cfg.qk_head_dim), dtype)
+        self.kv_a = init_param(rngs, (d, cfg.latent_dim), dtype)
+        self.kv_a_norm = init_param(rngs, (cfg.kv_lora_rank,), dtype, ones=True)
+        self.w_uk = init_param(rngs, (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim), dtype)
+        self.w_uv = init_param(rngs, (cfg.kv_lora_rank, h, cfg.v_head_dim), dtype)
+        self.o_proj = init_param(rngs, (h, cfg.v_head_dim, d), dtype)
+
+    def queries(self, x):
+        """[T, D] -> q_nope [T, H, Dn], q_pe [T, H, R] (before rope)."""
+        cfg = self.cfg
+        if cfg.q_lora_rank is None:
+            q = jnp.einsum("td,dhk->thk", x, self.q_proj[...])
+        else:
+            qa = rms_norm(x @ self.q_a[...], self.q_a_norm[...], LATENT_NORM_EPS)
+            q = jnp.einsum("tq,qhk->thk", qa, self.q_b[...])
+        return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+
+    def latent(self, x):
+        """[T, D] -> normalized latent [T, L], rope key [T, R] (before rope)."""
+        kv = x @ self.kv_a[...]
+        c = rms_norm(kv[:, : self.cfg.kv_lora_rank], self.kv_a_norm[...], LATENT_NORM_EPS)
+        return c, kv[:, self.cfg.kv_lora_rank :]
+
+    def __call__(self, x, cos_sin, latent_pool, rope_pool, batch: StepInput, impl: str):
+        cfg = self.cfg
+        q_nope, q_pe = self.queries(x)
+        c, k_pe = self.latent(x)
+        q_pe = apply_rope(q_pe, cos_sin, cfg.rope.interleaved)
+        k_pe = apply_rope(k_pe, cos_sin, cfg.rope.interleaved)
+        latent_pool = write_kv(latent_pool, c, batch.write_page, batch.write_offset)
+        rope_pool = write_kv(rope_pool, k_pe, batch.write_page, batch.write_offset)
+        page_table = batch.page_table[batch.token_request]
+        if impl == "naive":
+            o = naive_mla_attention(
+                q_nope, q_pe, latent_pool, rope_pool, page_table, batch.kv_lens,
+                self.w_uk[...], self.w_uv[...], cfg.softmax_scale,
+            )
+        else:
+            q_latent = jnp.einsum("thn,lhn->thl", q_nope, self.w_uk[...])
+            o_latent, _ = dispatch.paged_attention(
+                q_latent, q_pe, latent_pool, rope_pool, page_table, batch.kv_lens,
+                cfg.softmax_scale, impl=impl,
+            )
+            o = jnp.einsum("thl,lhv->thv", o_latent, self.w_uv[...])
+        out = jnp.einsum("thv,hvd->td", o, self.o_proj[...])
+        return out, latent_pool, rope_pool
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        self.attn = MLAttention(cfg, dtype, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, dtype, rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+
+    def __call__(self, x, cos_sin, latent_pool, rope_pool, batch, impl):
+        a, latent_pool, rope_pool = self.attn(self.input_norm(x), cos_sin, latent_pool, rope_pool, batch, impl)
+        x = x + a
+        x = x + self.mlp(self.post_attn_norm(x))
+        return x, latent_pool, rope_pool
+
+
+class DeepseekForCausalLM(nnx.Module):
+    """Embeddings, decoder layers, final norm and LM head over the paged latent cache."""
+
+    def __init__(self, cfg: ModelConfig, options: RuntimeOptions = RuntimeOptions(), rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        dtype = jnp.dtype(options.dtype)
+        self.cfg = cfg
+        self.options = options
+        self.embed = init_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, std=1.0)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = init_param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def rope_cos_sin(self, positions):
+        """[T, R] cos|sin rows computed on device (a table for 160K positions would be a 40 MB constant)."""
+        inv_freq, factor = inverse_frequencies(self.cfg.rope, self.cfg.qk_rope_head_dim)
+        freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+        return jnp.concatenate([jnp.cos(freqs), jnp.sin(freqs)], axis=-1) * factor
+
+    def __call__(self, kv: KVCache, batch: StepInput, attention_impl: str | None = None):
+        """One forward step: writes this step's latents, returns float32 logits [N, V] and the cache."""
+        impl = attention_impl or self.options.attention_impl
+        x = self.embed[...][batch.tokens]
+        cos_sin = self.rope_cos_sin(batch.positions)
+        latents, ropes = list(kv.latent), list(kv.rope)
+        for i, layer in enumerate(self.layers):
+            x, latents[i], ropes[i] = layer(x, cos_sin, latents[i], ropes[i], batch, impl)
+        h = self.norm(x[batch.logits_index])
+        head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+        return logits, KVCache(latent=tuple(latents), rope=tuple(ropes))
+
+    def new_cache(self, num_pages: int, page_size: int, sharding=None) -> KVCache:
+        cfg = self.cfg
+        return KVCache.zeros(
+            cfg.num_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+            jnp.dtype(self.options.dtype), sharding,
+        )

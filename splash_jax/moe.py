@@ -1,0 +1,68 @@
+"""DeepSeek mixture-of-experts: the router (V2 softmax / V3 sigmoid with bias) and the experts.
+
+Experts are stacked [E, ...] so one sharding rule ("shard the expert axis") places them.
+The expert computation is dense over experts with a sparse combine weight: exact, simple,
+and what a weight-read-bound decode step pays anyway once the batch touches most experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from splash_jax.layers import MLP, init_param
+from splash_jax.model_config import ModelConfig
+
+
+def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] (float32) -> (top-k expert ids [T, k], combine weights [T, k])."""
+    num_tokens, num_experts = logits.shape
+    k = cfg.num_experts_per_tok
+    scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores + bias if (cfg.topk_method == "noaux_tc" and bias is not None) else scores
+    if cfg.topk_method in ("noaux_tc", "group_limited_greedy") and cfg.n_group > 1:
+        grouped = choice.reshape(num_tokens, cfg.n_group, num_experts // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            fill = -jnp.inf
+        else:
+            group_score = grouped.max(-1)
+            fill = 0.0
+        _, top_groups = jax.lax.top_k(group_score, cfg.topk_group)
+        keep = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], top_groups].set(True)
+        keep = jnp.repeat(keep, num_experts // cfg.n_group, axis=1)
+        choice = jnp.where(keep, choice, fill)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob and k > 1:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs):
+        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.router = init_param(rngs, (d, e), jnp.float32, std=d ** -0.5)
+        if cfg.topk_method == "noaux_tc":
+            self.router_bias = init_param(rngs, (e,), jnp.float32, std=0.0)
+        self.experts_gate = init_param(rngs, (e, d, i), dtype)
+        self.experts_up = init_param(rngs, (e, d, i), dtype)
+        self.experts_down = init_param(rngs, (e, i, d), dtype)
+        if cfg.n_shared_experts:
+            self.shared = MLP(d, i * cfg.n_shared_experts, dtype, rngs)
+
+    def __call__(self, x):
+        cfg = self.cfg
+        logits = jnp.dot(x.astype(jnp.float32), self.router[...])
+        bias = self.router_bias[...] if cfg.topk_method == "noaux_tc" else None
+        ids, weights = route(cfg, logits, bias)
+        combine = jnp.zeros(logits.shape, jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+        h = jax.nn.silu(jnp.einsum("td,edi->tei", x, self.experts_gate[...]))
+        h = h * jnp.einsum("td,edi->tei", x, self.experts_up[...])
+        h = h * combine.astype(h.dtype)[..., None]
+        out = jnp.einsum("tei,eid->td", h, self.experts_down[...])
+        if cfg.n_shared_experts:
+            out = out + self.shared(x)
+        return out

@@ -1,0 +1,83 @@
+"""Tokenizer from a model folder's `tokenizer.json` (HF `tokenizers`, no transformers needed).
+
+Adds what serving needs on top: special-token ids, the chat template from
+`tokenizer_config.json` (rendered with jinja2, as transformers does), and incremental
+detokenization for streaming that never emits half of a multi-byte character.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from tokenizers import Tokenizer as HFTokenizer
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no tokenizer.json in {folder}")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.chat_template = cfg.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self._template = env.from_string(self.chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] + ids) if (add_bos and self.bos_id is not None) else ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas (for streaming and stop strings)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for more bytes
+            return ""
+        delta = text[len(self.text):]
+        self.text = text
+        return delta
+
+
+def _token_text(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _raise(message):
+    raise jinja2.TemplateError(message)

@@ -1,0 +1,143 @@
+"""Build a model from a checkpoint folder, a dummy initializer, or an Orbax snapshot.
+
+Weights go tensor by tensor straight onto their target sharding with
+`jax.make_array_from_callback`: each device's callback reads only its slice (for experts, only
+its experts), so the host holds at most one tensor at a time, never the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from splash_jax.model import DeepseekForCausalLM, RuntimeOptions
+from splash_jax.model_config import ModelConfig
+from splash_jax.weights.hf_names import param_sources
+from splash_jax.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+
+log = logging.getLogger(__name__)
+
+ShardingFn = Callable[[tuple, tuple[int, ...]], jax.sharding.Sharding]
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
+
+
+def replicated(device=None) -> ShardingFn:
+    """Every parameter whole on one device (the default without a layout)."""
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    return lambda path, shape: sharding
+
+
+def abstract_model(cfg: ModelConfig, options: RuntimeOptions):
+    """(graphdef, abstract param state) without allocating anything."""
+    model = nnx.eval_shape(lambda: DeepseekForCausalLM(cfg, options, nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def _path_key(path) -> tuple:
+    return tuple(getattr(p, "key", p) for p in path)
+
+
+def load_model(
+    path: str | Path,
+    options: RuntimeOptions = RuntimeOptions(),
+    sharding_for: ShardingFn | None = None,
+    load_format: str = "auto",
+    config: ModelConfig | None = None,
+    seed: int = 0,
+) -> DeepseekForCausalLM:
+    """The model at `path` (a HF folder with config.json, or an Orbax snapshot with config.json)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose from {LOAD_FORMATS}")
+    path = Path(path) if path is not None else None
+    cfg = config or ModelConfig.from_json(path)
+    sharding_for = sharding_for or replicated()
+    if load_format == "auto":
+        load_format = "orbax" if (path / "orbax").exists() else "safetensors"
+    graphdef, abstract = abstract_model(cfg, options)
+    if load_format == "dummy":
+        state = _dummy_state(abstract, sharding_for, seed)
+    elif load_format == "orbax":
+        from splash_jax.weights.snapshot import restore_state
+
+        state = restore_state(path / "orbax", abstract, sharding_for)
+    else:
+        state = _safetensors_state(cfg, SafetensorsCheckpoint(path), abstract, sharding_for, options)
+    return nnx.merge(graphdef, state)
+
+
+def _safetensors_state(cfg, ckpt: SafetensorsCheckpoint, abstract, sharding_for, options):
+    sources = param_sources(cfg)
+    flat = nnx.to_flat_state(abstract)
+    # Validate every tensor up front: one clear error before any device memory is used.
+    for key, var in flat:
+        src = sources.get(_path_key(key))
+        if src is None:
+            raise CheckpointError(f"no checkpoint mapping for parameter {'.'.join(map(str, _path_key(key)))}")
+        for name, shape in zip(src.names, src.shapes):
+            got = ckpt.shape(name)
+            if got != shape:
+                raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape} from config.json")
+            ckpt.check_dtype(name)
+    used = {n for s in sources.values() for n in s.names}
+    unused = [n for n in ckpt.names() if n not in used]
+    if unused:
+        log.info("ignoring %d checkpoint tensors not used by this model (e.g. %s)", len(unused), unused[0])
+
+    leaves = []
+    for key, var in tqdm(list(flat), desc="loading weights", unit="tensor", leave=False):
+        src = sources[_path_key(key)]
+        shape, target = var.shape, var.dtype
+        sharding = sharding_for(_path_key(key), shape)
+        cache: dict = {}
+
+        def callback(index, src=src, target=target, cache=cache):
+            if src.per_expert:
+                part = src.build(ckpt.read, index[0] if index else slice(None))
+                rest = (slice(None),) + tuple(index[1:])
+                return np.ascontiguousarray(part[rest]).astype(target)
+            if "full" not in cache:
+                cache["full"] = np.ascontiguousarray(src.build(ckpt.read, slice(None))).astype(target)
+            return cache["full"][index]
+
+        leaves.append(jax.make_array_from_callback(shape, sharding, callback))
+    return _replace_leaves(abstract, leaves)
+
+
+def _dummy_state(abstract, sharding_for, seed: int):
+    """Random weights made on the devices (no host copy): for benchmarks of large shapes."""
+    flat = list(nnx.to_flat_state(abstract))
+    key = jax.random.key(seed)
+    leaves = []
+
+    for i, (path, var) in enumerate(flat):
+        names = _path_key(path)
+        shape, dtype = var.shape, var.dtype
+        sharding = sharding_for(names, shape)
+        is_norm = names[-1] in ("weight", "q_a_norm", "kv_a_norm")
+        std = 0.0 if names[-1] == "router_bias" else (1.0 if names[-1] == "embed" else 0.02)
+        leaves.append(_random_leaf(shape, jnp.dtype(dtype), sharding, is_norm, std, jax.random.fold_in(key, i)))
+    return _replace_leaves(abstract, leaves)
+
+
+def _random_leaf(shape, dtype, sharding, ones: bool, std: float, key):
+    @jax.jit
+    def make(k):
+        if ones:
+            return jnp.ones(shape, dtype)
+        return (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
+
+    return jax.jit(make, out_shardings=sharding)(key)
+
+
+def _replace_leaves(abstract, leaves):
+    flat = nnx.to_flat_state(abstract)
+    assert len(leaves) == len(list(flat))
+    new = [(path, var.replace(leaf)) for (path, var), leaf in zip(flat, leaves)]
+    return nnx.from_flat_state(new)
