@@ -31,6 +31,7 @@ def main(argv=None) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy", "orbax"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
 
     dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     log.info("backend %s with %d device(s); dtype %s", jax.default_backend(), jax.device_count(), dtype)
