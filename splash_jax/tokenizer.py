@@ -56,20 +56,28 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas (for streaming and stop strings)."""
+    """Turns a growing list of token ids into text deltas (for streaming and stop strings).
+
+    Decodes only a short window (from the last emitted boundary), so each new token costs
+    O(1) host work however long the output gets.
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._prefix = 0  # window start: ids before it are already in self.text
+        self._read = 0  # ids[:read] are fully emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for more bytes
+        done = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        full = self.tokenizer.decode(self.ids[self._prefix :])
+        if len(full) <= len(done) or full.endswith("\ufffd"):  # unfinished multi-byte character
             return ""
-        delta = text[len(self.text):]
-        self.text = text
+        delta = full[len(done) :]
+        self.text += delta
+        self._prefix, self._read = self._read, len(self.ids)
         return delta
 
 

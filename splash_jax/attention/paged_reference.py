@@ -72,7 +72,9 @@ def paged_mla_attention(
         jnp.zeros((num_tokens, num_heads), jnp.float32),
         jnp.zeros((num_tokens, num_heads, latent.shape[-1]), jnp.float32),
     )
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    # Visit only blocks some token needs: the trip count follows the longest context in the step.
+    needed = jnp.minimum((jnp.max(kv_lens) + block_len - 1) // block_len, num_blocks)
+    m, l, acc = jax.lax.fori_loop(0, needed, body, init)
     has_kv = l > 0
     out = jnp.where(has_kv[..., None], acc / jnp.where(has_kv, l, 1.0)[..., None], 0.0)
     lse = jnp.where(has_kv, m + jnp.log(jnp.where(has_kv, l, 1.0)), -jnp.inf)

@@ -1,0 +1,67 @@
+"""Engine configuration: one dataclass, each field also a CLI flag of the same name."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """How the engine runs a model (the model itself is described by ModelConfig)."""
+
+    model: str = ""  # HF-format folder (config.json, safetensors, tokenizer.json); empty = bundled model
+    load_format: str = "auto"  # auto | safetensors | dummy | orbax
+    dtype: str = "auto"  # auto (bfloat16 on accelerators, float32 on CPU) | float32 | bfloat16
+    attention_impl: str = "auto"  # auto | xla | pallas
+    page_size: int = 64
+    kv_memory_gb: float | None = None  # per device; default: kv_memory_fraction of free memory
+    kv_memory_fraction: float = 0.8
+    max_pages: int | None = None  # cap on pages per device (tests, benchmarks)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 64  # running requests at most (largest request bucket)
+    max_num_batched_tokens: int = 512  # tokens per step at most (largest token bucket)
+    min_token_bucket: int = 8
+    enable_chunked_prefill: bool = True
+    num_devices: int = 1  # devices in the mesh (layouts use more)
+    seed: int = 0
+    compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
+    warmup: bool = True  # compile every bucket at start-up
+
+    def resolved_dtype(self, backend: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if backend == "cpu" else "bfloat16"
+
+    def validate(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"--page-size must be a power of two, got {self.page_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs >= 1")
+
+    # --- CLI ---------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _base_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                group.add_argument(flag, type=kind, default=f.default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _base_type(hint):
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]
+    return hint

@@ -1,0 +1,303 @@
+"""The synchronous engine: requests in, tokens out, one `step()` at a time.
+
+    engine = Engine(EngineConfig(model="path/to/deepseek"))
+    outs = engine.generate(["Hello", "Tell me"], SamplingParams(max_tokens=32))
+
+A step is: schedule (pure host bookkeeping) -> pack fixed-shape inputs (numpy, per request
+not per token) -> one precompiled device program (forward + sampling, cache donated) ->
+read back the sampled tokens (a few bytes per request) -> stop checks and outputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from splash_jax.engine.config import EngineConfig
+from splash_jax.engine.executor import StepExecutor, bucket_ladder
+from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingParams, Status
+from splash_jax.engine.sampler import SamplingInputs
+from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
+from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
+from splash_jax.kv.capacity import kv_budget_bytes, pages_per_device
+from splash_jax.kv.step_builder import Chunk, build_step_input
+from splash_jax.model import RuntimeOptions
+from splash_jax.paths import DEFAULT_MODEL
+from splash_jax.tokenizer import IncrementalDecoder, Tokenizer
+from splash_jax.weights.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None, **overrides):
+        config = config or EngineConfig()
+        for k, v in overrides.items():
+            setattr(config, k, v)
+        config.validate()
+        self.config = config
+        enable_compilation_cache(config.compile_cache_dir)
+        backend = jax.default_backend()
+        devices = jax.devices()[: config.num_devices]
+        if config.num_devices != 1:
+            raise ValueError("--num-devices > 1 needs a layout (tp/dp/dop/cp); this build runs on one device")
+        self.mesh = jax.make_mesh((1,), ("dev",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+        replicated = NamedSharding(self.mesh, P())
+        dtype = config.resolved_dtype(backend)
+
+        t0 = time.perf_counter()
+        path = Path(config.model) if config.model else DEFAULT_MODEL
+        options = RuntimeOptions(dtype=dtype, attention_impl=config.attention_impl)
+        self.model = model or load_model(
+            path, options, sharding_for=lambda p, s: replicated, load_format=config.load_format, seed=config.seed
+        )
+        self.model_config = self.model.cfg
+        if tokenizer is None and (path / "tokenizer.json").exists():
+            tokenizer = Tokenizer(path)
+        self.tokenizer = tokenizer
+        log.info("model ready in %.1fs (%s, %s)", time.perf_counter() - t0, backend, dtype)
+
+        cfg = self.model_config
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        budget = kv_budget_bytes(devices[0], config.kv_memory_gb, config.kv_memory_fraction)
+        per_device = pages_per_device(cfg, config.page_size, dtype, budget, config.max_pages)
+        pool_tokens = per_device * config.page_size
+        if self.max_model_len > pool_tokens:
+            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping", self.max_model_len, pool_tokens)
+            self.max_model_len = pool_tokens
+        self.allocator = PageAllocator(len(devices), per_device, config.page_size)
+        self.scheduler = Scheduler(
+            self.allocator, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+        )
+        kv = self.model.new_cache(self.allocator.num_pages, config.page_size, NamedSharding(self.mesh, P("dev")))
+        log.info(
+            "KV pool: %d pages x %d tokens = %d tokens per device (%.2f GiB)",
+            per_device, config.page_size, pool_tokens, kv.nbytes() / 2**30,
+        )
+        self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
+        self.executor = StepExecutor(
+            self.model, kv, bucket_ladder(config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
+            self.pages_per_request, replicated,
+        )
+        if config.warmup:
+            self.executor.compile_all()
+
+        self.eos_ids = set(cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_id is not None:
+            self.eos_ids.add(tokenizer.eos_id)
+        self._requests: dict[str, Request] = {}
+        self._decoders: dict[str, IncrementalDecoder] = {}
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(config.seed)
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
+        self.num_steps = 0
+        self.step_time_total = 0.0
+
+    # --- requests ------------------------------------------------------------------------
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        params.validate(self.model_config.vocab_size)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("the prompt is empty")
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer; pass prompt token ids")
+            ids = self.tokenizer.encode(prompt, add_bos=True)
+            text = prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+        if not ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        return Request(rid, ids, params, prompt_text=text, sample_seed=seed)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id)
+        if request.request_id in self._requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        self._requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self._decoders[request.request_id] = IncrementalDecoder(self.tokenizer)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> bool:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.remove(request)
+        request.finish_reason = "abort"
+        self._decoders.pop(request_id, None)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        t0 = time.perf_counter()
+        batch, sampling, bucket = self._pack(chunks)
+        out = self.executor.run(bucket, batch, sampling)
+        want_logprobs = any(c.request.params.logprobs is not None for c in chunks)
+        tokens = np.asarray(out.tokens)
+        host = jax.device_get((out.logprob, out.top_ids, out.top_logprobs)) if want_logprobs else None
+        self.num_steps += 1
+        self.step_time_total += time.perf_counter() - t0
+        now = time.monotonic()
+        outputs = []
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            request.num_computed += chunk.num_tokens
+            if request.metrics.first_scheduled is None:
+                request.metrics.first_scheduled = now
+            if chunk.samples:
+                outputs.append(self._append_token(request, int(tokens[i]), host, i, now))
+        self._recent.append((now, sum(1 for c in chunks if c.samples)))
+        return outputs
+
+    def _pack(self, chunks: list[ScheduledChunk]):
+        total = sum(c.num_tokens for c in chunks)
+        bucket = self.executor.pick(total, len(chunks))
+        batch, _ = build_step_input(
+            [Chunk(c.tokens, c.start, c.request.pages, "last") for c in chunks],
+            self.config.page_size, self.allocator.num_pages, bucket.tokens, bucket.requests,
+            self.pages_per_request,
+        )
+        s = SamplingInputs.host(bucket.requests)
+        for i, c in enumerate(chunks):
+            p = c.request.params
+            s.temperature[i] = p.temperature
+            s.top_k[i] = max(p.top_k, 0)
+            s.top_p[i] = p.top_p
+            s.seed[i] = c.request.sample_seed & 0xFFFFFFFF
+            s.step[i] = len(c.request.output_ids)
+        return batch, s, bucket
+
+    def _append_token(self, request: Request, token: int, host, row: int, now: float) -> RequestOutput:
+        p = request.params
+        request.output_ids.append(token)
+        if request.metrics.first_token is None:
+            request.metrics.first_token = now
+        if p.logprobs is not None and host is not None:
+            chosen, top_ids, top_lp = host
+            request.output_logprobs.append(float(chosen[row]))
+            request.output_top_logprobs.append(
+                {int(t): float(v) for t, v in zip(top_ids[row][: p.logprobs], top_lp[row][: p.logprobs])}
+            )
+        decoder = self._decoders.get(request.request_id)
+        delta = decoder.push(token) if decoder else ""
+        reason = None
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            reason = "stop"
+        elif decoder and p.stop:
+            hit = _find_stop(decoder.text, p.stop, len(delta))
+            if hit is not None:
+                cut, request.stop_text = hit
+                delta = delta[: max(0, len(delta) - (len(decoder.text) - cut))]
+                decoder.text = decoder.text[:cut]
+                reason = "stop"
+        if reason is None and (len(request.output_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            request.finish_reason = reason
+            request.metrics.finished = now
+            self.scheduler.remove(request)
+            self._requests.pop(request.request_id, None)
+            self._decoders.pop(request.request_id, None)
+        return self._output(request, delta, [token], decoder.text if decoder else "")
+
+    def _output(self, request: Request, delta: str, delta_ids: list[int], text: str) -> RequestOutput:
+        finished = request.status == Status.FINISHED
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            token_ids=list(request.output_ids),
+            text=text,
+            delta_text=delta,
+            delta_token_ids=delta_ids,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            top_logprobs=list(request.output_top_logprobs) if request.params.logprobs is not None else None,
+            ttft=request.metrics.ttft(),
+            tpot=request.metrics.tpot(len(request.output_ids)) if finished else None,
+        )
+
+    # --- convenience ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; a bad prompt returns an output with `error` set, the rest run."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        results: dict[int, RequestOutput] = {}
+        ids: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                ids[self.add_request(prompt, p)] = i
+            except RequestError as e:
+                results[i] = RequestOutput(f"invalid-{i}", [], [], "", "", [], True, "error", error=str(e))
+        while len(results) < len(prompts):
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    results[ids[out.request_id]] = out
+        return [results[i] for i in range(len(prompts))]
+
+    def stats(self) -> dict:
+        usage = self.allocator.usage()
+        window = [t for t in self._recent if t[0] > time.monotonic() - 10]
+        span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_total": sum(u.total_pages for u in usage),
+            "pages_used": sum(u.used_pages for u in usage),
+            "tokens_used": sum(u.used_pages for u in usage) * self.config.page_size,
+            "kv_capacity_tokens": sum(u.total_pages for u in usage) * self.config.page_size,
+            "per_device": [u.__dict__ for u in usage],
+            "generation_tokens_per_s": (sum(n for _, n in window[1:]) / span) if span > 0 else 0.0,
+            "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "layout": "single",
+        }
+
+
+def _find_stop(text: str, stops: list[str], delta_len: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the newest delta: (cut position, the stop string)."""
+    best = None
+    window_start = max(0, len(text) - delta_len - max(len(s) for s in stops))
+    for s in stops:
+        idx = text.find(s, window_start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, s)
+    return best

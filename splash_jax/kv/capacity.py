@@ -1,0 +1,46 @@
+"""Sizing the KV pool from a memory budget, and what a page costs."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+
+from splash_jax.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+CPU_DEFAULT_KV_GB = 0.25  # CPU devices report no memory stats; a small pool keeps tests light
+
+
+def bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
+    """Latent + rope key of `page_size` tokens in every layer."""
+    return cfg.num_layers * page_size * cfg.latent_dim * np.dtype(dtype).itemsize
+
+
+def kv_budget_bytes(device, kv_memory_gb: float | None, kv_memory_fraction: float) -> int:
+    """Per-device KV budget: an explicit size, else a fraction of the device's free memory."""
+    if kv_memory_gb is not None:
+        return int(kv_memory_gb * 2**30)
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        log.info("device %s reports no memory stats; using %.2f GB for the KV pool", device, CPU_DEFAULT_KV_GB)
+        return int(CPU_DEFAULT_KV_GB * 2**30)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return int(free * kv_memory_fraction)
+
+
+def pages_per_device(cfg: ModelConfig, page_size: int, dtype, budget_bytes: int, max_pages: int | None = None) -> int:
+    n = budget_bytes // bytes_per_page(cfg, page_size, dtype)
+    if max_pages is not None:
+        n = min(n, max_pages)
+    if n < 1:
+        raise MemoryError(
+            f"a KV budget of {budget_bytes / 2**20:.1f} MiB holds no page of "
+            f"{bytes_per_page(cfg, page_size, dtype) / 2**20:.2f} MiB; raise --kv-memory-gb"
+        )
+    return int(n)
+
+
+def device_of_mesh(mesh: jax.sharding.Mesh):
+    return mesh.devices.flat[0]

@@ -1,0 +1,152 @@
+"""The engine against the model alone: continuous batching, chunked prefill, preemption,
+bad requests, sampling controls, and no compilation after warm-up."""
+
+import numpy as np
+import pytest
+
+from splash_jax.compile_guard import count_compiles
+from splash_jax.engine import Engine, EngineConfig, SamplingParams
+from splash_jax.model import RuntimeOptions
+from splash_jax.paths import DEFAULT_MODEL
+from splash_jax.simple_generate import SingleRequestRunner
+from splash_jax.weights.loader import load_model
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog, again and again and again.",
+    "MLA",
+    "Latent attention caches one compressed vector per token, shared by all heads.",
+    "Hi there",
+    "Serving engines batch requests continuously; each step mixes prefill chunks with decode tokens.",
+    "x = 1",
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(DEFAULT_MODEL, RuntimeOptions(dtype="float32", attention_impl="xla"))
+
+
+def make_engine(model, **kw):
+    cfg = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=96, compile_cache_dir=None)
+    cfg.update(kw)
+    return Engine(EngineConfig(**cfg), model=model)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return make_engine(model)
+
+
+@pytest.fixture(scope="module")
+def reference(model, engine):
+    """Greedy continuation of each prompt by the model alone, token by token."""
+    runner = SingleRequestRunner(model, page_size=16, max_len=128)
+    out = {}
+    for p in PROMPTS:
+        ids = engine.tokenizer.encode(p, add_bos=True)
+        out[p] = runner.greedy(ids, 12)
+    return out
+
+
+def run_staggered(engine, prompts, params, arrivals):
+    """Add prompt i before step arrivals[i]; step until all finish. Returns {prompt: token ids}."""
+    pending = sorted(zip(arrivals, range(len(prompts))))
+    ids, done, step = {}, {}, 0
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= step:
+            _, i = pending.pop(0)
+            ids[engine.add_request(prompts[i], params)] = prompts[i]
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out
+        step += 1
+    return done
+
+
+def test_staggered_arrivals_with_chunked_prefill_match_model_alone(engine, reference):
+    # 32-token budget: the long prompts are split into chunks and share steps with decodes.
+    done = run_staggered(engine, PROMPTS, SamplingParams(max_tokens=12), arrivals=[0, 0, 1, 3, 4, 9])
+    for p in PROMPTS:
+        assert done[p].token_ids == reference[p], p
+        assert done[p].finish_reason == "length"
+        assert done[p].ttft is not None and done[p].tpot is not None
+
+
+def test_small_pool_preempts_and_still_matches(model, reference):
+    # 12 pages of 8 tokens cannot hold six requests of ~20-30 tokens at once.
+    engine = make_engine(model, max_pages=12)
+    done = run_staggered(engine, PROMPTS, SamplingParams(max_tokens=12), arrivals=[0] * len(PROMPTS))
+    assert engine.scheduler.num_preemptions > 0
+    for p in PROMPTS:
+        assert done[p].token_ids == reference[p], p
+    assert engine.stats()["pages_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [
+        ("", SamplingParams(), "prompt is empty"),
+        ("word " * 400, SamplingParams(), "maximum model length"),
+        ("ok", SamplingParams(max_tokens=0), "max_tokens"),
+        ("ok", SamplingParams(temperature=-1.0), "temperature"),
+        ("ok", SamplingParams(top_p=0.0), "top_p"),
+        ("ok", SamplingParams(top_k=-5), "top_k"),
+        ([99999], SamplingParams(), "outside the vocabulary"),
+    ],
+)
+def test_bad_request_fails_alone(engine, reference, prompt, params, message):
+    good = PROMPTS[:2]
+    outs = engine.generate([good[0], prompt, good[1]], [SamplingParams(max_tokens=12), params, SamplingParams(max_tokens=12)])
+    assert outs[1].error is not None and message in outs[1].error
+    assert outs[0].token_ids == reference[good[0]] and outs[2].token_ids == reference[good[1]]
+
+
+def test_no_compile_after_warmup_across_mixed_workload(engine):
+    params = [
+        SamplingParams(max_tokens=9),
+        SamplingParams(max_tokens=5, temperature=0.8, top_k=20, seed=1),
+        SamplingParams(max_tokens=7, temperature=1.0, top_p=0.9, logprobs=3),
+        SamplingParams(max_tokens=3, stop=["e"]),
+    ]
+    with count_compiles() as compiles:
+        run_staggered(engine, PROMPTS[:4], params[0], arrivals=[0, 2, 2, 5])
+        engine.generate(PROMPTS, [params[i % 4] for i in range(len(PROMPTS))])
+        engine.generate([PROMPTS[4] * 3], SamplingParams(max_tokens=2))  # several prefill chunks
+    assert compiles.count == 0, compiles.events
+
+
+def test_seeded_sampling_reproduces_across_batches(engine):
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=1234)
+    alone = engine.generate([PROMPTS[0]], p)[0].token_ids
+    crowd = engine.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [SamplingParams(max_tokens=4), p, p])
+    assert crowd[1].token_ids == alone
+    assert crowd[2].token_ids != alone  # another prompt, another stream
+    other_seed = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=1.0, seed=99))[0]
+    assert other_seed.token_ids != alone
+
+
+def test_top_k_one_is_greedy_and_logprobs_are_the_model_distribution(engine, model, reference):
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=2.0, top_k=1, logprobs=4))[0]
+    assert out.token_ids == reference[PROMPTS[0]]
+    runner = SingleRequestRunner(model, page_size=16, max_len=128)
+    ids = engine.tokenizer.encode(PROMPTS[0], add_bos=True)
+    logits, _ = runner.run(runner.new_cache(), ids, 0)
+    logp = logits[-1] - np.log(np.exp(logits[-1] - logits[-1].max()).sum()) - logits[-1].max()
+    assert abs(out.logprobs[0] - logp[out.token_ids[0]]) < 1e-4
+    top = sorted(out.top_logprobs[0].items(), key=lambda kv: -kv[1])
+    assert [t for t, _ in top] == list(np.argsort(-logp)[:4])
+    assert len(out.logprobs) == len(out.token_ids) == 12
+
+
+def test_stop_strings_eos_and_abort(engine, reference):
+    full = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=12))[0]
+    stop = full.text[3:5]
+    out = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=12, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and stop not in out.text and full.text.startswith(out.text)
+    assert out.text == full.text[: full.text.find(stop)]
+    tok = reference[PROMPTS[2]][4]
+    out = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=12, stop_token_ids=[tok]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == reference[PROMPTS[2]][:5]
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.abort(rid) and not engine.has_work() and engine.stats()["pages_used"] == 0
