@@ -40,7 +40,7 @@ def _head_sharded(mesh):
 
 
 def test_load_places_each_tensor_on_its_sharding():
-    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
     sharded = load_model(FIXTURE, OPTS, sharding_for=_head_sharded(mesh))
     single = load_model(FIXTURE, OPTS)
     experts = sharded.layers[1].mlp.experts_gate[...]
@@ -54,7 +54,7 @@ def test_load_places_each_tensor_on_its_sharding():
 
 
 def test_orbax_round_trip_into_a_different_sharding(tmp_path):
-    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[4:], axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[4:], axis_types=(jax.sharding.AxisType.Auto,))
     original = load_model(FIXTURE, OPTS)  # device 0, unsharded
     save_snapshot(original, tmp_path / "snap")
     restored = load_model(tmp_path / "snap", OPTS, sharding_for=_head_sharded(mesh))
