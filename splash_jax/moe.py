@@ -1,8 +1,10 @@
 """DeepSeek mixture-of-experts: the router (V2 softmax / V3 sigmoid with bias) and the experts.
 
 Experts are stacked [E, ...] so one sharding rule ("shard the expert axis") places them.
-The expert computation is dense over experts with a sparse combine weight: exact, simple,
-and what a weight-read-bound decode step pays anyway once the batch touches most experts.
+Two exact expert paths, picked statically by the step's token count: with few tokens
+(tokens * top_k < experts) only the chosen experts' weights are gathered and read; otherwise
+every expert runs over every token with a sparse combine weight, which is what a
+weight-read-bound step pays anyway once the batch touches most experts.
 """
 
 from __future__ import annotations
@@ -58,11 +60,26 @@ class MoE(nnx.Module):
         logits = jnp.dot(x.astype(jnp.float32), self.router[...])
         bias = self.router_bias[...] if cfg.topk_method == "noaux_tc" else None
         ids, weights = route(cfg, logits, bias)
-        combine = jnp.zeros(logits.shape, jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-        h = jax.nn.silu(jnp.einsum("td,edi->tei", x, self.experts_gate[...]))
-        h = h * jnp.einsum("td,edi->tei", x, self.experts_up[...])
-        h = h * combine.astype(h.dtype)[..., None]
-        out = jnp.einsum("tei,eid->td", h, self.experts_down[...])
+        if x.shape[0] * cfg.num_experts_per_tok < cfg.n_routed_experts:
+            out = self._gathered(x, ids, weights)
+        else:
+            out = self._dense(x, ids, weights)
         if cfg.n_shared_experts:
             out = out + self.shared(x)
         return out
+
+    def _gathered(self, x, ids, weights):
+        """Few tokens: read only the chosen experts' weights (decode at small batch is weight-read bound)."""
+        gate, up, down = self.experts_gate[...][ids], self.experts_up[...][ids], self.experts_down[...][ids]
+        h = jax.nn.silu(jnp.einsum("td,tkdi->tki", x, gate)) * jnp.einsum("td,tkdi->tki", x, up)
+        h = h * weights.astype(h.dtype)[..., None]
+        return jnp.einsum("tki,tkid->td", h, down)
+
+    def _dense(self, x, ids, weights):
+        """Many tokens: every expert over every token with a sparse combine weight (exact)."""
+        combine = jnp.zeros((x.shape[0], self.cfg.n_routed_experts), jnp.float32)
+        combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+        h = jax.nn.silu(jnp.einsum("td,edi->tei", x, self.experts_gate[...]))
+        h = h * jnp.einsum("td,edi->tei", x, self.experts_up[...])
+        h = h * combine.astype(h.dtype)[..., None]
+        return jnp.einsum("tei,eid->td", h, self.experts_down[...])

@@ -1,0 +1,65 @@
+"""Shared benchmark plumbing: machine description, result files, percentiles, tables."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    import jax
+
+    devices = jax.devices()
+    return {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "cpu_count": __import__("os").cpu_count(),
+    }
+
+
+def machine_tag() -> str:
+    import jax
+
+    kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
+    return f"{jax.default_backend()}-{kind}"
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = RESULTS / f"{name}_{machine_tag()}_{stamp}.json"
+    payload = {"machine": machine_info(), "command": " ".join(sys.argv), "time": stamp, **payload}
+    path.write_text(json.dumps(payload, indent=2, default=float))
+    logging.getLogger(name).info("wrote %s", path)
+    return path
+
+
+def percentiles(values, ps=(50, 90, 99)) -> dict:
+    if not len(values):
+        return {f"p{p}": None for p in ps} | {"mean": None}
+    arr = np.asarray(values, dtype=np.float64)
+    return {f"p{p}": float(np.percentile(arr, p)) for p in ps} | {"mean": float(arr.mean())}
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])

@@ -1,0 +1,156 @@
+"""Decode step time against the memory roofline, and how long the device waits on the host.
+
+    python -m benchmarks.decode_roofline --shape v2-lite --batches 1,32,128 --contexts 1024,4096
+
+For each (batch, context): `batch` requests whose first `context` tokens are already "in the
+cache" (pages allocated, contents random: the work per step is identical) decode through the
+real engine loop (schedule, pack, dispatch, read back, stop checks). Reported per step:
+  engine_ms   wall time of engine.step() (host + device, as served)
+  device_ms   the same packed step dispatched back-to-back with no host work in between
+  host_share  1 - device_ms / engine_ms: the share of a step the device waits on the host
+  roofline_ms bytes that must be read (weights actually used + KV) / measured copy bandwidth
+Weights "used" counts only experts a batch of this size is expected to touch (an ideal
+engine); `dense_ms` is the roofline for this engine's dense-over-experts MoE, which reads all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.common import table, write_results
+from benchmarks.shapes import shape_folder
+from splash_jax.engine import Engine, EngineConfig, SamplingParams
+from splash_jax.engine.request import Request, Status
+
+log = logging.getLogger("benchmarks.decode_roofline")
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Bytes/s of a device copy (read + write), the practical HBM ceiling."""
+    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * x.nbytes / float(np.median(times))
+
+
+def inject_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
+    """`batch` running requests with `context` cached tokens each, next step decodes."""
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(batch):
+        prompt = rng.integers(0, engine.model_config.vocab_size, context + 1).tolist()
+        r = engine.make_request(prompt, SamplingParams(max_tokens=10_000, ignore_eos=True), f"bench-{batch}-{context}-{i}")
+        engine.add_request(r)
+        engine.scheduler.waiting.remove(r)
+        r.pages = engine.allocator.allocate(-(-(context + 64) // engine.config.page_size), 0)
+        r.num_computed = context
+        r.status = Status.RUNNING
+        r.order = i
+        engine.scheduler.running.append(r)
+        reqs.append(r)
+    return reqs
+
+
+def weight_bytes(model, batch: int) -> tuple[float, float]:
+    """(bytes an ideal engine reads per decode step, bytes this dense-MoE engine reads)."""
+    cfg = model.cfg
+    total = 0.0
+    experts = 0.0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        n = var[...].nbytes
+        total += n
+        if str(path[-1]).startswith("experts_"):
+            experts += n
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = e * (1 - (1 - k / e) ** batch) if e else 0
+    ideal = total - experts + (experts * touched / e if e else 0)
+    embed = cfg.vocab_size * cfg.hidden_size * 2  # only `batch` rows of the embedding are read
+    return ideal - embed, total - embed
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="v2-lite")
+    parser.add_argument("--num-layers", type=int, default=None, help="override the layer count")
+    parser.add_argument("--batches", default="1,32,128")
+    parser.add_argument("--contexts", default="1024,4096")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--attention-impl", default="auto")
+    parser.add_argument("--kv-memory-gb", type=float, default=24.0)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    overrides = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
+    folder = shape_folder(args.shape, **overrides)
+    bw = copy_bandwidth()
+    log.info("copy bandwidth %.0f GB/s", bw / 1e9)
+    engine = Engine(EngineConfig(
+        model=str(folder), load_format="dummy", dtype=args.dtype, attention_impl=args.attention_impl,
+        page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=max(contexts) + 128,
+        max_num_seqs=max(batches), max_num_batched_tokens=max(max(batches), 8), warmup=False,
+    ))
+    cfg = engine.model_config
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            reqs = inject_decoding(engine, b, ctx)
+            t = time.perf_counter()
+            engine.step()  # compiles this bucket the first time
+            log.info("batch %d ctx %d: first step %.1fs", b, ctx, time.perf_counter() - t)
+            for _ in range(2):
+                engine.step()
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            engine_s = (time.perf_counter() - t) / args.steps
+            chunks = engine.scheduler.schedule()
+            batch_in, sampling, bucket = engine._pack(chunks)
+            out = engine.executor.run(bucket, batch_in, sampling)
+            jax.block_until_ready(out)
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                out = engine.executor.run(bucket, batch_in, sampling)
+            jax.block_until_ready((out, engine.executor.kv))
+            device_s = (time.perf_counter() - t) / args.steps
+            for r in reqs:
+                engine.abort(r.request_id)
+            ideal_w, dense_w = weight_bytes(engine.model, b)
+            kv_bytes = b * (ctx + args.steps) * cfg.latent_dim * 2 * cfg.num_layers
+            row = {
+                "batch": b, "context": ctx, "bucket": bucket.tokens,
+                "engine_ms": engine_s * 1e3, "device_ms": device_s * 1e3,
+                "host_share": max(0.0, 1 - device_s / engine_s),
+                "tokens_per_s": b / engine_s,
+                "roofline_ms": (ideal_w + kv_bytes) / bw * 1e3,
+                "dense_ms": (dense_w + kv_bytes) / bw * 1e3,
+            }
+            row["x_roofline"] = row["engine_ms"] / row["roofline_ms"]
+            rows.append(row)
+            log.info("%s", row)
+    cols = ["batch", "context", "engine_ms", "device_ms", "host_share", "tokens_per_s", "roofline_ms", "dense_ms", "x_roofline"]
+    print(table(rows, cols))
+    write_results("decode_roofline", {
+        "args": vars(args), "copy_bandwidth_GBps": bw / 1e9, "attention_impl": args.attention_impl,
+        "resolved_attention": __import__("splash_jax.attention.dispatch", fromlist=["x"]).resolve_impl(args.attention_impl),
+        "rows": rows,
+    })
+
+
+if __name__ == "__main__":
+    main()
