@@ -67,29 +67,64 @@ class MLAttention(nnx.Module):
         c = rms_norm(kv[:, : self.cfg.kv_lora_rank], self.kv_a_norm[...], LATENT_NORM_EPS)
         return c, kv[:, self.cfg.kv_lora_rank :]
 
-    def __call__(self, x, cos_sin, latent_pool, rope_pool, batch: StepInput, impl: str):
+    def absorb(self, q_nope):
+        """Fold W_UK into the query: [T, H, Dn] -> [T, H, L] (over whichever heads are local)."""
+        return jnp.einsum("thn,lhn->thl", q_nope, self.w_uk[...])
+
+    def output(self, o_latent):
+        """W_UV then o_proj: [T, H, L] -> [T, D] (a partial sum when heads are sharded)."""
+        o = jnp.einsum("thl,lhv->thv", o_latent, self.w_uv[...])
+        return jnp.einsum("thv,hvd->td", o, self.o_proj[...])
+
+    def write_latent(self, x, cos_sin, pools, write_page, write_offset):
+        """Compute the latent + roped key of x's tokens and scatter them into the pools."""
+        c, k_pe = self.latent(x)
+        k_pe = apply_rope(k_pe, cos_sin, self.cfg.rope.interleaved)
+        latent_pool, rope_pool = pools
+        return (
+            write_kv(latent_pool, c, write_page, write_offset),
+            write_kv(rope_pool, k_pe, write_page, write_offset),
+        )
+
+    def __call__(self, x, cos_sin, pools, batch: StepInput, impl: str):
+        """Single-device attention: every head, every token, one pool."""
         cfg = self.cfg
         q_nope, q_pe = self.queries(x)
-        c, k_pe = self.latent(x)
         q_pe = apply_rope(q_pe, cos_sin, cfg.rope.interleaved)
-        k_pe = apply_rope(k_pe, cos_sin, cfg.rope.interleaved)
-        latent_pool = write_kv(latent_pool, c, batch.write_page, batch.write_offset)
-        rope_pool = write_kv(rope_pool, k_pe, batch.write_page, batch.write_offset)
+        pools = self.write_latent(x, cos_sin, pools, batch.write_page, batch.write_offset)
         page_table = batch.page_table[batch.token_request]
         if impl == "naive":
             o = naive_mla_attention(
-                q_nope, q_pe, latent_pool, rope_pool, page_table, batch.kv_lens,
+                q_nope, q_pe, *pools, page_table, batch.kv_lens,
                 self.w_uk[...], self.w_uv[...], cfg.softmax_scale,
             )
-        else:
-            q_latent = jnp.einsum("thn,lhn->thl", q_nope, self.w_uk[...])
-            o_latent, _ = dispatch.paged_attention(
-                q_latent, q_pe, latent_pool, rope_pool, page_table, batch.kv_lens,
-                cfg.softmax_scale, impl=impl,
-            )
-            o = jnp.einsum("thl,lhv->thv", o_latent, self.w_uv[...])
-        out = jnp.einsum("thv,hvd->td", o, self.o_proj[...])
-        return out, latent_pool, rope_pool
+            return jnp.einsum("thv,hvd->td", o, self.o_proj[...]), pools
+        o_latent, _ = dispatch.paged_attention(
+            self.absorb(q_nope), q_pe, *pools, page_table, batch.kv_lens, cfg.softmax_scale, impl=impl
+        )
+        return self.output(o_latent), pools
+
+
+class LocalContext:
+    """No mesh: the plain single-device computation (the reference every layout must match)."""
+
+    def __init__(self, impl: str):
+        self.impl = impl
+
+    def attention(self, attn, x, cos_sin, pools, batch):
+        return attn(x, cos_sin, pools, batch, self.impl)
+
+    def reduce(self, x):
+        return x
+
+    def expert_offset(self, num_local: int):
+        return 0
+
+    def embed(self, table, tokens):
+        return table[tokens]
+
+    def logits(self, h, head):
+        return jnp.dot(h, head, preferred_element_type=jnp.float32)
 
 
 class DecoderLayer(nnx.Module):
@@ -102,11 +137,12 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos_sin, latent_pool, rope_pool, batch, impl):
-        a, latent_pool, rope_pool = self.attn(self.input_norm(x), cos_sin, latent_pool, rope_pool, batch, impl)
+    def __call__(self, x, cos_sin, pools, batch, ctx):
+        a, pools = ctx.attention(self.attn, self.input_norm(x), cos_sin, pools, batch)
         x = x + a
-        x = x + self.mlp(self.post_attn_norm(x))
-        return x, latent_pool, rope_pool
+        h = self.post_attn_norm(x)
+        mlp = self.mlp(h, ctx.expert_offset) if isinstance(self.mlp, MoE) else self.mlp(h)
+        return x + ctx.reduce(mlp), pools
 
 
 class DeepseekForCausalLM(nnx.Module):
@@ -129,18 +165,21 @@ class DeepseekForCausalLM(nnx.Module):
         freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
         return jnp.concatenate([jnp.cos(freqs), jnp.sin(freqs)], axis=-1) * factor
 
-    def __call__(self, kv: KVCache, batch: StepInput, attention_impl: str | None = None):
-        """One forward step: writes this step's latents, returns float32 logits [N, V] and the cache."""
-        impl = attention_impl or self.options.attention_impl
-        x = self.embed[...][batch.tokens]
+    def __call__(self, kv: KVCache, batch: StepInput, attention_impl: str | None = None, ctx=None):
+        """One forward step: writes this step's latents, returns float32 logits [N, V] and the cache.
+
+        `ctx` supplies the parallel parts (attention layout, reductions, vocab/expert shards);
+        None runs everything on one device.
+        """
+        ctx = ctx or LocalContext(attention_impl or self.options.attention_impl)
+        x = ctx.embed(self.embed[...], batch.tokens)
         cos_sin = self.rope_cos_sin(batch.positions)
         latents, ropes = list(kv.latent), list(kv.rope)
         for i, layer in enumerate(self.layers):
-            x, latents[i], ropes[i] = layer(x, cos_sin, latents[i], ropes[i], batch, impl)
+            x, (latents[i], ropes[i]) = layer(x, cos_sin, (latents[i], ropes[i]), batch, ctx)
         h = self.norm(x[batch.logits_index])
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
-        return logits, KVCache(latent=tuple(latents), rope=tuple(ropes))
+        return ctx.logits(h, head), KVCache(latent=tuple(latents), rope=tuple(ropes))
 
     def new_cache(self, num_pages: int, page_size: int, sharding=None) -> KVCache:
         cfg = self.cfg

@@ -1,6 +1,8 @@
 """DeepSeek mixture-of-experts: the router (V2 softmax / V3 sigmoid with bias) and the experts.
 
 Experts are stacked [E, ...] so one sharding rule ("shard the expert axis") places them.
+Experts may be sharded over devices (each holds a contiguous range); ids outside the local
+range get weight 0 and the caller sums the partial results.
 Two exact expert paths, picked statically by the step's token count: with few tokens
 (tokens * top_k < experts) only the chosen experts' weights are gathered and read; otherwise
 every expert runs over every token with a sparse combine weight, which is what a
@@ -55,15 +57,22 @@ class MoE(nnx.Module):
         if cfg.n_shared_experts:
             self.shared = MLP(d, i * cfg.n_shared_experts, dtype, rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, expert_offset=None):
+        """Routed + shared experts. With experts sharded, `expert_offset(num_local)` gives this
+        device's first expert id and the result is this device's partial sum."""
         cfg = self.cfg
+        num_local = self.experts_gate.shape[0]
+        offset = expert_offset(num_local) if expert_offset else 0
         logits = jnp.dot(x.astype(jnp.float32), self.router[...])
         bias = self.router_bias[...] if cfg.topk_method == "noaux_tc" else None
         ids, weights = route(cfg, logits, bias)
-        if x.shape[0] * cfg.num_experts_per_tok < cfg.n_routed_experts:
-            out = self._gathered(x, ids, weights)
+        local = ids - offset
+        weights = jnp.where((local >= 0) & (local < num_local), weights, 0.0)
+        local = jnp.clip(local, 0, num_local - 1)
+        if x.shape[0] * cfg.num_experts_per_tok < num_local:
+            out = self._gathered(x, local, weights)
         else:
-            out = self._dense(x, ids, weights)
+            out = self._dense(x, local, weights)
         if cfg.n_shared_experts:
             out = out + self.shared(x)
         return out
@@ -77,7 +86,7 @@ class MoE(nnx.Module):
 
     def _dense(self, x, ids, weights):
         """Many tokens: every expert over every token with a sparse combine weight (exact)."""
-        combine = jnp.zeros((x.shape[0], self.cfg.n_routed_experts), jnp.float32)
+        combine = jnp.zeros((x.shape[0], self.experts_gate.shape[0]), jnp.float32)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
         h = jax.nn.silu(jnp.einsum("td,edi->tei", x, self.experts_gate[...]))
         h = h * jnp.einsum("td,edi->tei", x, self.experts_up[...])

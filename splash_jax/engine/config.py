@@ -26,7 +26,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens per step at most (largest token bucket)
     min_token_bucket: int = 8
     enable_chunked_prefill: bool = True
-    num_devices: int = 1  # devices in the mesh (layouts use more)
+    layout: str = "tp"  # attention layout: tp | dp | dop | cp (all equal on one device)
+    num_devices: int = 1  # devices in the mesh, in jax.devices() order
     seed: int = 0
     compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
     warmup: bool = True  # compile every bucket at start-up

@@ -28,7 +28,8 @@ from splash_jax.engine.sampler import SamplingInputs
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.capacity import kv_budget_bytes, pages_per_device
-from splash_jax.kv.step_builder import Chunk, build_step_input
+from splash_jax.kv.placement import LayoutChunk, build_layout_step
+from splash_jax.mesh.layouts import AXIS, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
 from splash_jax.tokenizer import IncrementalDecoder, Tokenizer
@@ -52,18 +53,18 @@ class Engine:
         self.config = config
         enable_compilation_cache(config.compile_cache_dir)
         backend = jax.default_backend()
-        devices = jax.devices()[: config.num_devices]
-        if config.num_devices != 1:
-            raise ValueError("--num-devices > 1 needs a layout (tp/dp/dop/cp); this build runs on one device")
-        self.mesh = jax.make_mesh((1,), ("dev",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
-        replicated = NamedSharding(self.mesh, P())
+        self.layout = get_layout(config.layout)
+        self.mesh = make_mesh(config.num_devices)
+        self.n = self.mesh.shape[AXIS]
+        devices = list(self.mesh.devices.flat)
         dtype = config.resolved_dtype(backend)
 
         t0 = time.perf_counter()
         path = Path(config.model) if config.model else DEFAULT_MODEL
         options = RuntimeOptions(dtype=dtype, attention_impl=config.attention_impl)
         self.model = model or load_model(
-            path, options, sharding_for=lambda p, s: replicated, load_format=config.load_format, seed=config.seed
+            path, options, sharding_for=param_sharding_fn(self.layout, self.mesh),
+            load_format=config.load_format, seed=config.seed,
         )
         self.model_config = self.model.cfg
         if tokenizer is None and (path / "tokenizer.json").exists():
@@ -79,19 +80,21 @@ class Engine:
         if self.max_model_len > pool_tokens:
             log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping", self.max_model_len, pool_tokens)
             self.max_model_len = pool_tokens
-        self.allocator = PageAllocator(len(devices), per_device, config.page_size)
+        self.allocator = PageAllocator(self.n, per_device, config.page_size)
         self.scheduler = Scheduler(
-            self.allocator, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+            self.allocator, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+            self.layout.kv_placement,
         )
-        kv = self.model.new_cache(self.allocator.num_pages, config.page_size, NamedSharding(self.mesh, P("dev")))
+        kv = self.model.new_cache(self.allocator.num_pages, config.page_size, NamedSharding(self.mesh, P(AXIS)))
         log.info(
             "KV pool: %d pages x %d tokens = %d tokens per device (%.2f GiB)",
             per_device, config.page_size, pool_tokens, kv.nbytes() / 2**30,
         )
         self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
         self.executor = StepExecutor(
-            self.model, kv, bucket_ladder(config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
-            self.pages_per_request, replicated,
+            self.model, kv, self.mesh, self.layout,
+            bucket_ladder(config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
+            self.pages_per_request, config.attention_impl,
         )
         if config.warmup:
             self.executor.compile_all()
@@ -183,14 +186,22 @@ class Engine:
         return outputs
 
     def _pack(self, chunks: list[ScheduledChunk]):
-        total = sum(c.num_tokens for c in chunks)
-        bucket = self.executor.pick(total, len(chunks))
-        batch, _ = build_step_input(
-            [Chunk(c.tokens, c.start, c.request.pages, "last") for c in chunks],
-            self.config.page_size, self.allocator.num_pages, bucket.tokens, bucket.requests,
-            self.pages_per_request,
+        if self.layout.owner_rows:
+            tokens, requests = [0] * self.n, [0] * self.n
+            for c in chunks:
+                tokens[c.request.owner] += c.num_tokens
+                requests[c.request.owner] += 1
+            bucket = self.executor.pick(max(tokens), max(requests))
+            rows = self.n * bucket.requests
+        else:
+            bucket = self.executor.pick(sum(c.num_tokens for c in chunks), len(chunks))
+            rows = bucket.requests
+        batch, _ = build_layout_step(
+            self.layout, self.n, self.config.page_size, self.allocator.pages_per_device,
+            [LayoutChunk(c.tokens, c.start, c.request.device_pages, c.request.owner) for c in chunks],
+            bucket.tokens, bucket.requests, self.pages_per_request,
         )
-        s = SamplingInputs.host(bucket.requests)
+        s = SamplingInputs.host(rows)
         for i, c in enumerate(chunks):
             p = c.request.params
             s.temperature[i] = p.temperature
@@ -288,7 +299,8 @@ class Engine:
             "generation_tokens_per_s": (sum(n for _, n in window[1:]) / span) if span > 0 else 0.0,
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
-            "layout": "single",
+            "layout": self.layout.name,
+            "num_devices": self.n,
         }
 
 

@@ -1,8 +1,12 @@
-"""The step executor: one forward + sample program per (token bucket, request bucket), compiled
-ahead of time at start-up, with the KV cache donated so it is updated in place.
+"""The step executor: one forward + sample program per (layout, bucket), compiled ahead of time.
 
-After `compile_all()` nothing compiles: `run` only picks the smallest bucket that fits, moves
-the small int/float step inputs to the device, and dispatches the precompiled executable.
+Each program is the whole model step inside one `jax.shard_map` over the mesh, with the
+layout's explicit collectives (splash_jax/attention/layouts.py), the KV pool donated so it is
+updated in place. After `compile_all()` nothing compiles: `run` picks the smallest bucket that
+fits, moves the small int/float step inputs to the devices, and dispatches.
+
+Bucket sizes are per query-device: for tp/cp the step's whole token/request count, for dp/dop
+each device's own share (the step holds N segments of that size).
 """
 
 from __future__ import annotations
@@ -13,14 +17,18 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from splash_jax.attention.layouts import ShardedContext
 from splash_jax.engine.sampler import SampleOutput, SamplingInputs, sample
 from splash_jax.kv.cache import KVCache, StepInput
+from splash_jax.mesh.layouts import AXIS, Layout
 
 log = logging.getLogger(__name__)
+
+PER_DEVICE_FIELDS = ("token_request", "write_page", "write_offset", "kv_lens", "page_table")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -43,60 +51,118 @@ def bucket_ladder(max_tokens: int, max_requests: int, min_tokens: int = 8) -> li
     return [Bucket(t, min(t, max_requests)) for t in sizes]
 
 
+def param_specs(state, layout: Layout):
+    """PartitionSpec pytree matching the param state, from the layout's rule table."""
+
+    def spec(path, _leaf):
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        names = [n for n in names if n not in (None, "value")]
+        return layout.param_spec(tuple(names))
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def batch_specs() -> StepInput:
+    per_device = P(AXIS)
+    return StepInput(P(), P(), per_device, per_device, per_device, per_device, per_device, P())
+
+
+def _local(batch: StepInput) -> StepInput:
+    """Inside shard_map the per-device fields arrive as [1, ...]: drop that axis."""
+    return dataclasses.replace(batch, **{f: getattr(batch, f)[0] for f in PER_DEVICE_FIELDS})
+
+
+def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str, sampled: bool = True):
+    """The model step for `layout` as one shard_map over the mesh (not yet jitted)."""
+    ctx = ShardedContext(layout, mesh.shape[AXIS], impl)
+
+    def per_device(state, kv, batch, *sampling):
+        logits, kv = nnx.merge(graphdef, state)(kv, _local(batch), ctx=ctx)
+        return (sample(logits, sampling[0]) if sampled else logits), kv
+
+    kv_specs = jax.tree.map(lambda _: P(AXIS), kv)
+    in_specs = (param_specs(state, layout), kv_specs, batch_specs()) + ((P(),) if sampled else ())
+    return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=(P(), kv_specs), check_vma=False)
+
+
 class StepExecutor:
-    def __init__(self, model, kv: KVCache, buckets: list[Bucket], pages_per_request: int, data_sharding=None):
+    def __init__(self, model, kv: KVCache, mesh, layout: Layout, buckets: list[Bucket], pages_per_request: int, impl: str):
         self.graphdef, self.state = nnx.split(model)
         self.kv = kv
+        self.mesh = mesh
+        self.n = mesh.shape[AXIS]
         self.buckets = sorted(buckets)
         self.pages_per_request = pages_per_request
-        self.data_sharding = data_sharding
-        self.vocab_size = model.cfg.vocab_size
-        self._compiled: dict[Bucket, object] = {}
-        graphdef = self.graphdef
+        self.impl = impl
+        self.replicated = NamedSharding(mesh, P())
+        self._programs: dict[str, object] = {}
+        self._compiled: dict[tuple[str, Bucket], object] = {}
+        self._input_shardings: dict[tuple[str, Bucket], object] = {}
+        self.layout = layout
 
-        def step(state, kv, batch: StepInput, sampling: SamplingInputs):
-            logits, kv = nnx.merge(graphdef, state)(kv, batch)
-            return sample(logits, sampling), kv
-
-        self._jitted = jax.jit(step, donate_argnums=(1,))
+    def program(self, layout: Layout, sampled: bool = True):
+        """The jitted shard_map step for a layout: (state, kv, batch, sampling) -> (SampleOutput, kv),
+        or with sampled=False (state, kv, batch) -> (float32 logits, kv) for checks and benchmarks."""
+        key = (layout.name, sampled)
+        if key not in self._programs:
+            self._programs[key] = jax.jit(
+                layout_step(self.graphdef, self.state, self.kv, self.mesh, layout, self.impl, sampled),
+                donate_argnums=(1,),
+            )
+        return self._programs[key]
 
     # --- compilation ----------------------------------------------------------------------
-    def abstract_inputs(self, bucket: Bucket):
-        t, r, m = bucket.tokens, bucket.requests, self.pages_per_request
+    def abstract_inputs(self, layout: Layout, bucket: Bucket):
+        n, m = self.n, self.pages_per_request
+        t_total = n * bucket.tokens if layout.owner_rows else bucket.tokens
+        rows = n * bucket.requests if layout.owner_rows else bucket.requests
+        per_device = NamedSharding(self.mesh, P(AXIS))
 
-        def i32(*shape):
-            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.data_sharding)
+        def arr(shape, dtype=jnp.int32, sharding=self.replicated):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        batch = StepInput(i32(t), i32(t), i32(t), i32(t), i32(t), i32(t), i32(r, m), i32(r))
-        f32 = jax.ShapeDtypeStruct((r,), jnp.float32, sharding=self.data_sharding)
-        sampling = SamplingInputs(f32, i32(r), f32, jax.ShapeDtypeStruct((r,), jnp.uint32, sharding=self.data_sharding), i32(r))
+        t = bucket.tokens
+        batch = StepInput(
+            arr((t_total,)), arr((t_total,)), arr((n, t), sharding=per_device), arr((n, t), sharding=per_device),
+            arr((n, t), sharding=per_device), arr((n, t), sharding=per_device),
+            arr((n, bucket.requests, m), sharding=per_device), arr((rows,)),
+        )
+        sampling = SamplingInputs(
+            arr((rows,), jnp.float32), arr((rows,)), arr((rows,), jnp.float32), arr((rows,), jnp.uint32), arr((rows,))
+        )
         return batch, sampling
 
-    def lower(self, bucket: Bucket):
-        batch, sampling = self.abstract_inputs(bucket)
-        return self._jitted.lower(self.state, self.kv, batch, sampling)
+    def lower(self, layout: Layout, bucket: Bucket):
+        batch, sampling = self.abstract_inputs(layout, bucket)
+        return self.program(layout).lower(self.state, self.kv, batch, sampling)
 
-    def compile_all(self, show_progress: bool = True) -> float:
+    def compile_all(self, layouts: list[Layout] | None = None, show_progress: bool = True) -> float:
+        layouts = layouts or [self.layout]
+        todo = [(lay, b) for lay in layouts for b in self.buckets if (lay.name, b) not in self._compiled]
         t0 = time.perf_counter()
-        for bucket in tqdm(self.buckets, desc="compiling steps", unit="bucket", disable=not show_progress, leave=False):
-            if bucket not in self._compiled:
-                self._compiled[bucket] = self.lower(bucket).compile()
+        for lay, bucket in tqdm(todo, desc="compiling steps", unit="program", disable=not show_progress, leave=False):
+            self._compiled[(lay.name, bucket)] = self.lower(lay, bucket).compile()
         elapsed = time.perf_counter() - t0
-        log.info("compiled %d step buckets in %.1fs", len(self.buckets), elapsed)
+        log.info("compiled %d step programs (%s) in %.1fs", len(todo), ",".join(l.name for l in layouts), elapsed)
         return elapsed
 
     def pick(self, num_tokens: int, num_requests: int) -> Bucket:
         for b in self.buckets:
             if b.tokens >= num_tokens and b.requests >= num_requests:
                 return b
-        raise ValueError(f"no bucket holds {num_tokens} tokens / {num_requests} requests")
+        raise ValueError(f"no bucket holds {num_tokens} tokens / {num_requests} requests per device")
 
     # --- running --------------------------------------------------------------------------
     def run(self, bucket: Bucket, batch: StepInput, sampling: SamplingInputs) -> SampleOutput:
         """Dispatch one step (asynchronously); the cache is replaced by the updated one."""
-        compiled = self._compiled.get(bucket)
+        key = (self.layout.name, bucket)
+        compiled = self._compiled.get(key)
         if compiled is None:  # only without warm-up; compiles once per bucket
-            compiled = self._compiled[bucket] = self.lower(bucket).compile()
-        batch, sampling = jax.device_put((batch, sampling), self.data_sharding)
+            compiled = self._compiled[key] = self.lower(self.layout, bucket).compile()
+        shardings = self._input_shardings.get(key)
+        if shardings is None:
+            abstract = self.abstract_inputs(self.layout, bucket)
+            shardings = self._input_shardings[key] = jax.tree.map(lambda s: s.sharding, abstract)
+        batch, sampling = jax.device_put((batch, sampling), shardings)
         out, self.kv = compiled(self.state, self.kv, batch, sampling)
         return out

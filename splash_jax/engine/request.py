@@ -82,7 +82,8 @@ class Request:
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose latent is in the cache
-    pages: list[int] = dataclasses.field(default_factory=list)
+    device_pages: list[list[int]] = dataclasses.field(default_factory=list)  # per device, global page ids
+    owner: int = 0  # device holding its pages under owner layouts (dp, dop)
     finish_reason: str | None = None
     stop_text: str | None = None  # the stop string that ended it
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.monotonic()))

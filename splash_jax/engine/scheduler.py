@@ -18,7 +18,8 @@ import itertools
 import logging
 
 from splash_jax.engine.request import Request, Status
-from splash_jax.kv.allocator import OutOfPages, PageAllocator, pages_for_tokens
+from splash_jax.kv.allocator import PageAllocator
+from splash_jax.kv.placement import pages_needed
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        kv_placement: str = "replicated",
     ):
         self.allocator = allocator
+        self.n = allocator.num_devices
+        self.kv_placement = kv_placement
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -99,10 +103,10 @@ class Scheduler:
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            need = pages_for_tokens(request.num_computed + n, self.page_size) - len(request.pages)
-            if need > self.allocator.num_free(0):
+            request.device_pages = [[] for _ in range(self.n)]
+            request.owner = self._least_loaded()
+            if not self._allocate(request, request.num_computed + n):
                 break  # admission only when its pages are there
-            request.pages += self.allocator.allocate(need, 0)
             self.waiting.popleft()
             request.status = Status.RUNNING
             request.order = next(self._order)
@@ -114,18 +118,30 @@ class Scheduler:
 
     def _ensure_pages(self, request: Request, upto: int, scheduled: set[int]) -> bool:
         """Grow `request` to hold `upto` tokens, preempting others if needed; False if it preempted itself."""
-        need = pages_for_tokens(upto, self.page_size) - len(request.pages)
-        while need > 0:
-            try:
-                request.pages += self.allocator.allocate(need, 0)
-                return True
-            except OutOfPages:
-                victims = [r for r in self.running if id(r) not in scheduled and r is not request]
-                victim = max(victims, key=lambda r: r.order) if victims else request
-                self._preempt(victim)
-                if victim is request:
-                    return False
+        while not self._allocate(request, upto):
+            victims = [r for r in self.running if id(r) not in scheduled and r is not request]
+            victim = max(victims, key=lambda r: r.order) if victims else request
+            self._preempt(victim)
+            if victim is request:
+                return False
         return True
+
+    def _allocate(self, request: Request, upto: int) -> bool:
+        """Give `request` the pages it needs on every device to hold `upto` tokens, or nothing."""
+        need = pages_needed(self.kv_placement, self.n, request.owner, request.device_pages, upto, self.page_size)
+        if any(k > self.allocator.num_free(d) for d, k in enumerate(need)):
+            return False
+        for d, k in enumerate(need):
+            if k:
+                request.device_pages[d] += self.allocator.allocate(k, d)
+        return True
+
+    def _least_loaded(self) -> int:
+        """Owner for a new request: the device with the most free pages, then the fewest requests."""
+        counts = [0] * self.n
+        for r in self.running:
+            counts[r.owner] += 1
+        return max(range(self.n), key=lambda d: (self.allocator.num_free(d), -counts[d], -d))
 
     def _preempt(self, request: Request) -> None:
         log.debug("preempting %s (%d tokens computed)", request.request_id, request.num_computed)
@@ -137,6 +153,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
-        self.allocator.free(request.pages)
-        request.pages = []
+        for pages in request.device_pages:
+            self.allocator.free(pages)
+        request.device_pages = []
         request.num_computed = 0

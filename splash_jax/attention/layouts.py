@@ -1,0 +1,120 @@
+"""MLA attention per layout, inside `jax.shard_map` (per-device view, explicit collectives).
+
+The residual stream is replicated: every device holds x [T, D] for all T token slots (the FFN
+runs tensor/expert-parallel on all tokens). For owner layouts (dp, dop) token slots are laid
+out device-major: device d's requests fill segment d of T/N slots. The per-device step fields
+(token_request, kv_lens, write_page, write_offset, page_table) arrive already local: page ids
+are local to the device's pool shard, rows index the device's own query tokens.
+
+Collectives per layer (N = devices):
+  tp : psum of the o_proj output.
+  dp : none inside attention; all_gather of owner rows to rebuild the replicated stream.
+  dop: all_gather of q_lora rows; all_to_all q (head shards -> owners); all_to_all of the
+       latent output back; psum_scatter of o_proj to owner rows, all_gather to the stream.
+  cp : all_gather of q heads; local partial attention with log-sum-exp; all_to_all of the
+       partials to head shards; exact merge; psum of o_proj.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from splash_jax.attention import dispatch
+from splash_jax.attention.paged_reference import merge_partial_attention
+from splash_jax.layers import rms_norm
+from splash_jax.mesh.layouts import AXIS, Layout
+from splash_jax.rope import apply_rope
+
+LATENT_NORM_EPS = 1e-6
+
+
+class ShardedContext:
+    """The parallel parts of one forward step for `layout`, over mesh axis AXIS of size n."""
+
+    def __init__(self, layout: Layout, n: int, impl: str):
+        self.layout = layout
+        self.n = n
+        self.impl = impl
+
+    # --- FFN, embedding, LM head (fixed placement) ------------------------------------------
+    def reduce(self, x):
+        return jax.lax.psum(x, AXIS)
+
+    def expert_offset(self, num_local: int):
+        return jax.lax.axis_index(AXIS) * num_local
+
+    def embed(self, table, tokens):
+        """Vocab-sharded lookup: each device contributes the rows it owns."""
+        rows = table.shape[0]
+        local = tokens - jax.lax.axis_index(AXIS) * rows
+        hit = (local >= 0) & (local < rows)
+        x = jnp.where(hit[:, None], table[jnp.clip(local, 0, rows - 1)], 0)
+        return jax.lax.psum(x, AXIS)
+
+    def logits(self, h, head):
+        local = jnp.dot(h, head, preferred_element_type=jnp.float32)
+        return jax.lax.all_gather(local, AXIS, axis=1, tiled=True)
+
+    # --- attention --------------------------------------------------------------------------
+    def attention(self, attn, x, cos_sin, pools, batch):
+        return getattr(self, "_" + self.layout.name)(attn, x, cos_sin, pools, batch)
+
+    def _attend(self, attn, q_latent, q_pe, pools, batch):
+        page_table = batch.page_table[batch.token_request]
+        return dispatch.paged_attention(
+            q_latent, q_pe, *pools, page_table, batch.kv_lens, attn.cfg.softmax_scale, impl=self.impl
+        )
+
+    def _segment(self, a):
+        """This device's owner rows of a replicated [T, ...] array."""
+        size = a.shape[0] // self.n
+        return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(AXIS) * size, size, axis=0)
+
+    def _tp(self, attn, x, cos_sin, pools, batch):
+        q_nope, q_pe = attn.queries(x)  # local heads, all tokens
+        q_pe = apply_rope(q_pe, cos_sin, attn.cfg.rope.interleaved)
+        pools = attn.write_latent(x, cos_sin, pools, batch.write_page, batch.write_offset)  # my replica
+        o_latent, _ = self._attend(attn, attn.absorb(q_nope), q_pe, pools, batch)
+        return jax.lax.psum(attn.output(o_latent), AXIS), pools
+
+    def _dp(self, attn, x, cos_sin, pools, batch):
+        xs, cs = self._segment(x), self._segment(cos_sin)
+        out, pools = attn(xs, cs, pools, batch, self.impl)  # all heads, my rows, my pages
+        return jax.lax.all_gather(out, AXIS, axis=0, tiled=True), pools
+
+    def _dop(self, attn, x, cos_sin, pools, batch):
+        cfg = attn.cfg
+        xs, cs = self._segment(x), self._segment(cos_sin)
+        if cfg.q_lora_rank is None:
+            q = jnp.einsum("td,dhk->thk", x, attn.q_proj[...])
+        else:
+            qa = rms_norm(xs @ attn.q_a[...], attn.q_a_norm[...], LATENT_NORM_EPS)
+            qa = jax.lax.all_gather(qa, AXIS, axis=0, tiled=True)  # q_lora rows of every owner
+            q = jnp.einsum("tq,qhk->thk", qa, attn.q_b[...])  # local heads, all tokens
+        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+        q_pe = apply_rope(q_pe, cos_sin, cfg.rope.interleaved)
+        q_all = jnp.concatenate([attn.absorb(q_nope), q_pe], axis=-1)
+        # Head shards -> owners: my rows with every head.
+        q_mine = jax.lax.all_to_all(q_all, AXIS, split_axis=0, concat_axis=1, tiled=True)
+        pools = attn.write_latent(xs, cs, pools, batch.write_page, batch.write_offset)
+        o_latent, _ = self._attend(attn, q_mine[..., : cfg.kv_lora_rank], q_mine[..., cfg.kv_lora_rank :], pools, batch)
+        # Owners -> head shards: every row, my heads.
+        o_heads = jax.lax.all_to_all(o_latent, AXIS, split_axis=1, concat_axis=0, tiled=True)
+        rows = jax.lax.psum_scatter(attn.output(o_heads), AXIS, scatter_dimension=0, tiled=True)
+        return jax.lax.all_gather(rows, AXIS, axis=0, tiled=True), pools
+
+    def _cp(self, attn, x, cos_sin, pools, batch):
+        cfg = attn.cfg
+        q_nope, q_pe = attn.queries(x)
+        q_pe = apply_rope(q_pe, cos_sin, cfg.rope.interleaved)
+        q_all = jnp.concatenate([attn.absorb(q_nope), q_pe], axis=-1)
+        q_full = jax.lax.all_gather(q_all, AXIS, axis=1, tiled=True)  # every head, every token
+        pools = attn.write_latent(x, cos_sin, pools, batch.write_page, batch.write_offset)  # my stripe
+        o_part, lse = self._attend(attn, q_full[..., : cfg.kv_lora_rank], q_full[..., cfg.kv_lora_rank :], pools, batch)
+        t, h, l = o_part.shape
+        # Partials over my pages -> the devices owning each head shard, source device on axis 1.
+        o_part = jax.lax.all_to_all(o_part.reshape(t, self.n, h // self.n, l), AXIS, 1, 1, tiled=True)
+        lse = jax.lax.all_to_all(lse.reshape(t, self.n, h // self.n), AXIS, 1, 1, tiled=True)
+        o_latent, _ = merge_partial_attention(jnp.moveaxis(o_part, 1, 0), jnp.moveaxis(lse, 1, 0))
+        return jax.lax.psum(attn.output(o_latent), AXIS), pools

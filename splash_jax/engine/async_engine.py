@@ -1,0 +1,336 @@
+"""The engine loop on its own thread, streamed to asyncio callers.
+
+`Engine.step()` blocks for a whole device step and is not thread-safe, so one dedicated thread
+owns the Engine: it drains a command queue (add, abort, call), steps while there is work and
+sleeps on an event otherwise. Each caller's outputs go to an asyncio.Queue on the caller's
+event loop, handed over with `loop.call_soon_threadsafe` once per step and loop, so the HTTP
+side never waits for a step and the engine never waits for a slow client.
+
+    aengine = AsyncEngine(Engine(EngineConfig()))
+    async for out in aengine.generate("Hello", SamplingParams(max_tokens=16)):
+        print(out.delta_text, end="")
+    aengine.shutdown()
+
+Closing a generator early (a client that went away, `break`, cancellation) aborts its
+requests, which frees their pages. A step that raises fails the requests that were in it
+(they get `EngineStepError`); waiting requests and later ones carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from splash_jax.engine.engine import Engine
+from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (shut down, or it crashed); nothing can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was in it; the request was aborted."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Stream:
+    """Where the outputs of one caller's requests go (touched by the engine thread only)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    last: dict[str, RequestOutput | None]  # request id -> its latest output
+
+
+@dataclasses.dataclass
+class _Failure:
+    """An error for a stream, naming its requests the loop already removed from the engine."""
+
+    error: BaseException
+    request_ids: list[str]
+
+
+@dataclasses.dataclass
+class _Add:
+    requests: list[Request]
+    stream: _Stream
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future
+
+
+class AsyncEngine:
+    """Owns an Engine and runs its step loop on a dedicated thread."""
+
+    def __init__(self, engine: Engine, *, start: bool = True, stats_interval_s: float = 0.25):
+        self.engine = engine
+        self.stats_interval_s = stats_interval_s
+        self._commands: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._lock = threading.Lock()  # orders submissions against the loop's final drain
+        self._closed = False  # the loop has drained for the last time: submissions are refused
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stats: dict = engine.stats()
+        self._stats_time = 0.0
+        self.num_step_errors = 0
+        self._thread = threading.Thread(target=self._run, name="splash-engine", daemon=True)
+        if start:
+            self.start()
+
+    @classmethod
+    def from_config(cls, config=None, **overrides) -> "AsyncEngine":
+        return cls(Engine(config, **overrides))
+
+    # --- what the HTTP side may read from any thread -------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Validate and tokenize in the caller's thread (raises RequestError); submit with generate()."""
+        return self.engine.make_request(prompt, params, request_id)
+
+    def stats(self) -> dict:
+        """The engine's stats as of its last step (refreshed at most every stats_interval_s)."""
+        return {**self._stats, "step_errors": self.num_step_errors, "engine_alive": self.is_running}
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop after the current step; unfinished requests end with finish_reason 'abort'."""
+        if not self._thread.is_alive():
+            return
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("engine thread did not stop within %.0fs", timeout)
+
+    # --- requests ------------------------------------------------------------------------
+    async def generate(
+        self, prompt: str | Sequence[int] | Request, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs until it finishes; closing the iterator aborts it."""
+        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id)
+        async with contextlib.aclosing(self.generate_many([request])) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def generate_many(self, requests: Sequence[Request]) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of several requests as they come (tell them apart by request_id).
+
+        Ends when all have finished; raises the first error of any of them. Closing it early
+        aborts those still running.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), {r.request_id: None for r in requests})
+        pending = set(stream.last)
+        self._submit(_Add(list(requests), stream))
+        try:
+            while pending:
+                item = await stream.queue.get()
+                if isinstance(item, _Failure):
+                    pending.difference_update(item.request_ids)  # gone already: never abort an id reused since
+                    raise item.error
+                if item.finished:
+                    pending.discard(item.request_id)
+                yield item
+        finally:
+            if pending:
+                self._submit(_Abort(list(pending)))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its stream ends with finish_reason 'abort'."""
+        self._submit(_Abort([request_id]))
+
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between steps (e.g. a layout switch)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, future))
+        return future
+
+    async def run_on_engine(self, fn: Callable[[Engine], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def _submit(self, command) -> None:
+        with self._lock:
+            if self._closed or not self._thread.is_alive():
+                if isinstance(command, _Abort):
+                    return  # nothing runs any more, so nothing to abort
+                raise EngineDeadError("the engine is not running")
+            self._commands.append(command)
+        self._wake.set()
+
+    # --- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        log.info("engine loop started")
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if self.engine.has_work():
+                    self._step()
+                else:
+                    self._refresh_stats(force=True)
+                    self._wake.wait(self.stats_interval_s)
+                    self._wake.clear()
+        except BaseException:  # a bug in the loop itself: fail everyone rather than hang them
+            log.exception("engine loop crashed")
+            self._fail_all(EngineDeadError("the engine loop crashed; see the server log"))
+            raise
+        finally:
+            self._stopping = True
+            with self._lock:
+                self._closed = True
+            self._drain_commands()
+            for request_id in list(self._streams):
+                self._abort(request_id)
+            self._refresh_stats(force=True)
+            log.info("engine loop stopped")
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                for request_id in command.request_ids:
+                    self._abort(request_id)
+            elif isinstance(command, _Call):
+                if command.future.set_running_or_notify_cancel():
+                    try:
+                        command.future.set_result(command.fn(self.engine))
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        command.future.set_exception(e)
+
+    def _add(self, command: _Add) -> None:
+        ids = [r.request_id for r in command.requests]
+        if self._stopping:
+            self._deliver(command.stream, _Failure(EngineDeadError("the engine is shutting down"), ids))
+            return
+        added = []
+        for request in command.requests:
+            try:
+                self.engine.add_request(request)
+            except RequestError as e:
+                for request_id in added:  # all or nothing: one caller, one answer
+                    self.engine.abort(request_id)
+                    self._streams.pop(request_id, None)
+                self._deliver(command.stream, _Failure(e, ids))
+                return
+            self._streams[request.request_id] = command.stream
+            added.append(request.request_id)
+        self._wake.set()
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._deliver(stream, _aborted_output(request_id, stream.last.get(request_id)))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+            self.num_step_errors += 1
+            log.exception("engine step failed; failing the requests in it")
+            waiting = {r.request_id for r in self.engine.scheduler.waiting}
+            error = EngineStepError(f"the engine step failed: {type(e).__name__}: {e}")
+            failed: dict[_Stream, list[str]] = {}
+            for request_id, stream in list(self._streams.items()):
+                if request_id not in waiting:
+                    self.engine.abort(request_id)
+                    del self._streams[request_id]
+                    failed.setdefault(stream, []).append(request_id)
+            for stream, ids in failed.items():
+                self._deliver(stream, _Failure(error, ids))
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # added directly on the Engine, not through us
+            stream.last[out.request_id] = out
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            self._post(loop, items)
+        self._refresh_stats()
+
+    def _deliver(self, stream: _Stream, item) -> None:
+        self._post(stream.loop, [(stream, item)])
+
+    def _post(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            for stream, _ in items:
+                for request_id, s in list(self._streams.items()):
+                    if s is stream:
+                        self.engine.abort(request_id)
+                        del self._streams[request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        failed: dict[_Stream, list[str]] = {}
+        for request_id, stream in list(self._streams.items()):
+            del self._streams[request_id]
+            failed.setdefault(stream, []).append(request_id)
+        for stream, ids in failed.items():
+            self._deliver(stream, _Failure(error, ids))
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_time >= self.stats_interval_s:
+            self._stats = self.engine.stats()
+            self._stats_time = now
+
+
+def _put_all(items: list) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt_ids=last.prompt_ids if last else [],
+        token_ids=list(last.token_ids) if last else [],
+        text=last.text if last else "",
+        delta_text="",
+        delta_token_ids=[],
+        finished=True,
+        finish_reason="abort",
+        logprobs=last.logprobs if last else None,
+        top_logprobs=last.top_logprobs if last else None,
+        ttft=last.ttft if last else None,
+    )

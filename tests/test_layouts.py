@@ -1,0 +1,160 @@
+"""Each attention layout on 8 simulated devices against the single-device model, and the
+collectives each layout's compiled program contains."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from splash_jax.attention.layouts import ShardedContext
+from splash_jax.engine import Engine, EngineConfig, SamplingParams
+from splash_jax.engine.executor import layout_step, param_specs
+from splash_jax.kv.allocator import PageAllocator
+from splash_jax.kv.placement import LayoutChunk, build_layout_step, pages_needed
+from splash_jax.kv.step_builder import Chunk, build_step_input
+from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, get_layout, make_mesh, param_sharding_fn
+from splash_jax.model import RuntimeOptions
+from splash_jax.paths import DEFAULT_MODEL
+from splash_jax.weights.loader import load_model
+
+OPTS = RuntimeOptions(dtype="float32", attention_impl="xla")
+N, S, PER_DEVICE, M = 8, 8, 16, 8
+rng = np.random.default_rng(0)
+PROMPTS = {"a": rng.integers(0, 1024, 14).tolist(), "b": rng.integers(0, 1024, 23).tolist(), "c": rng.integers(0, 1024, 6).tolist()}
+OWNERS = {"a": 0, "b": 3, "c": 7}
+# (request, first position, number of tokens): prefill, then chunked prefill + decode + new prefill, then decode.
+STEPS = [
+    [("a", 0, 10), ("b", 0, 21)],
+    [("a", 10, 3), ("b", 21, 1), ("c", 0, 5)],
+    [("a", 13, 1), ("b", 22, 1), ("c", 5, 1)],
+]
+
+
+def reference_logits():
+    model = load_model(DEFAULT_MODEL, OPTS)
+    kv = model.new_cache(64, S)
+    pages = {"a": list(range(0, 8)), "b": list(range(8, 16)), "c": list(range(16, 24))}
+    step = jax.jit(lambda m, kv, b: m(kv, b))
+    out = []
+    for spec in STEPS:
+        chunks = [Chunk(PROMPTS[r][s : s + k], s, pages[r]) for r, s, k in spec]
+        batch, _ = build_step_input(chunks, S, 64, 32, 4, 8)
+        logits, kv = step(model, kv, jax.tree.map(jnp.asarray, batch))
+        out.append(np.asarray(logits[: len(spec)]))
+    return out
+
+
+def layout_logits(name):
+    layout, mesh = get_layout(name), make_mesh(N)
+    model = load_model(DEFAULT_MODEL, OPTS, sharding_for=param_sharding_fn(layout, mesh))
+    kv = model.new_cache(N * PER_DEVICE, S, NamedSharding(mesh, P(AXIS)))
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(layout_step(graphdef, state, kv, mesh, layout, "xla", sampled=False))
+    alloc = PageAllocator(N, PER_DEVICE, S)
+    device_pages = {r: [[] for _ in range(N)] for r in PROMPTS}
+    out = []
+    for spec in STEPS:
+        chunks = []
+        for r, s, k in spec:
+            need = pages_needed(layout.kv_placement, N, OWNERS[r], device_pages[r], s + k, S)
+            for d, count in enumerate(need):
+                device_pages[r][d] += alloc.allocate(count, d)
+            chunks.append(LayoutChunk(PROMPTS[r][s : s + k], s, device_pages[r], OWNERS[r]))
+        tokens = 32
+        batch, _ = build_layout_step(layout, N, S, PER_DEVICE, chunks, tokens, 4, M)
+        logits, kv = forward(state, kv, batch)
+        out.append(np.asarray(logits[: len(spec)]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_logits()
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_layout_logits_match_single_device(name, reference):
+    for step, (got, want) in enumerate(zip(layout_logits(name), reference)):
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 1e-4, f"{name} step {step}: max relative error {err:.2e}"
+
+
+# --- collectives of the compiled programs ---------------------------------------------------
+
+def _attention_hlo(name):
+    """HLO of one layer's attention block for `name` inside shard_map, compiled for 8 devices."""
+    layout, mesh = get_layout(name), make_mesh(N)
+    model = load_model(DEFAULT_MODEL, OPTS, sharding_for=param_sharding_fn(layout, mesh))
+    graphdef, state = nnx.split(model.layers[0].attn)
+    ctx = ShardedContext(layout, N, "xla")
+    t = 16 * N if layout.owner_rows else 16
+
+    def block(state, x, cos_sin, latent, rope, batch):
+        attn = nnx.merge(graphdef, state)
+        local = {k: v[0] for k, v in batch.items()}
+        local = type("B", (), local)
+        out, pools = ctx.attention(attn, x, cos_sin, (latent, rope), local)
+        return out, pools
+
+    specs = param_specs(state, layout)
+    batch = {k: jnp.zeros((N, 16), jnp.int32) for k in ("token_request", "write_page", "write_offset", "kv_lens")}
+    batch["page_table"] = jnp.zeros((N, 4, M), jnp.int32)
+    fn = jax.jit(jax.shard_map(
+        block, mesh=mesh, in_specs=(specs, P(), P(), P(AXIS), P(AXIS), {k: P(AXIS) for k in batch}),
+        out_specs=(P(), (P(AXIS), P(AXIS))), check_vma=False,
+    ))
+    cfg = model.cfg
+    args = (state, jnp.zeros((t, cfg.hidden_size)), jnp.zeros((t, cfg.qk_rope_head_dim)),
+            jnp.zeros((N * PER_DEVICE, S, cfg.kv_lora_rank)), jnp.zeros((N * PER_DEVICE, S, cfg.qk_rope_head_dim)), batch)
+    return fn.lower(*args).compile().as_text(), model
+
+
+def _ops(hlo, op):
+    """Result types of every `op` instruction (async -start forms included)."""
+    found = []
+    for line in hlo.splitlines():
+        if " = " not in line:
+            continue
+        rhs = line.split(" = ", 1)[1]
+        if re.search(rf"(^|\s){op}(-start)?\(", rhs):
+            found.append(rhs.split(" ")[0])
+    return found
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_attention_collectives(name):
+    hlo, model = _attention_hlo(name)
+    cfg = model.cfg
+    gathers, a2a = _ops(hlo, "all-gather"), _ops(hlo, "all-to-all")
+    reduces, scatters = _ops(hlo, "all-reduce"), _ops(hlo, "reduce-scatter")
+    if name == "tp":
+        assert not a2a and not gathers and not scatters and len(reduces) == 1
+    elif name == "dp":
+        # No collective inside attention: only the all-gather that rebuilds the replicated rows.
+        assert not a2a and not reduces and not scatters and len(gathers) == 1
+    elif name == "dop":
+        assert len(a2a) == 2
+        assert len(reduces) + len(scatters) == 1
+    elif name == "cp":
+        assert len(a2a) == 2 and len(reduces) == 1 and len(gathers) == 1
+    # No layout ever gathers a head-sharded weight back to full size.
+    full_weights = {
+        f"f32[{','.join(map(str, s))}]"
+        for s in [(cfg.q_lora_rank, cfg.num_heads, cfg.qk_head_dim), (cfg.kv_lora_rank, cfg.num_heads, cfg.qk_nope_head_dim),
+                  (cfg.kv_lora_rank, cfg.num_heads, cfg.v_head_dim), (cfg.num_heads, cfg.v_head_dim, cfg.hidden_size)]
+    }
+    assert not [g for g in gathers if g.split("{")[0] in full_weights]
+
+
+def test_engine_greedy_outputs_equal_single_device_in_every_layout():
+    prompts = ["Latent attention", "One shared latent per token means the cache can live anywhere.", "ok"]
+    params = SamplingParams(max_tokens=8)
+    kw = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=32, compile_cache_dir=None)
+    single = [o.token_ids for o in Engine(EngineConfig(**kw)).generate(prompts, params)]
+    for name in LAYOUT_NAMES:
+        engine = Engine(EngineConfig(layout=name, num_devices=N, **kw))
+        assert [o.token_ids for o in engine.generate(prompts, params)] == single, name
