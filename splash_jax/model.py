@@ -112,7 +112,8 @@ class LocalContext:
         self.impl = impl
 
     def attention(self, attn, x, cos_sin, pools, batch):
-        return attn(x, cos_sin, pools, batch, self.impl)
+        out, pool = attn(x, cos_sin, pools[0], batch, self.impl)  # one device: one pool segment
+        return out, (pool,)
 
     def reduce(self, x):
         return x
@@ -174,16 +175,17 @@ class DeepseekForCausalLM(nnx.Module):
         ctx = ctx or LocalContext(attention_impl or self.options.attention_impl)
         x = ctx.embed(self.embed[...], batch.tokens)
         cos_sin = self.rope_cos_sin(batch.positions)
-        latents, ropes = list(kv.latent), list(kv.rope)
+        layers = []
         for i, layer in enumerate(self.layers):
-            x, (latents[i], ropes[i]) = layer(x, cos_sin, (latents[i], ropes[i]), batch, ctx)
+            x, pools = layer(x, cos_sin, kv.layer(i), batch, ctx)
+            layers.append(pools)
         h = self.norm(x[batch.logits_index])
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return ctx.logits(h, head), KVCache(latent=tuple(latents), rope=tuple(ropes))
+        return ctx.logits(h, head), KVCache.from_layers(layers)
 
-    def new_cache(self, num_pages: int, page_size: int, sharding=None) -> KVCache:
+    def new_cache(self, num_pages: int, page_size: int, sharding=None, extra_pages: int = 0) -> KVCache:
         cfg = self.cfg
         return KVCache.zeros(
             cfg.num_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-            jnp.dtype(self.options.dtype), sharding,
+            jnp.dtype(self.options.dtype), sharding, extra_pages,
         )

@@ -51,10 +51,13 @@ def reference_logits():
 def layout_logits(name):
     layout, mesh = get_layout(name), make_mesh(N)
     model = load_model(DEFAULT_MODEL, OPTS, sharding_for=param_sharding_fn(layout, mesh))
-    kv = model.new_cache(N * PER_DEVICE, S, NamedSharding(mesh, P(AXIS)))
+    # Head-sharded layouts get a 2-page base segment and a 14-page extra segment, so requests
+    # spill across both and attention merges the segments.
+    base, extra = (2, 14) if layout.heads_sharded else (PER_DEVICE, 0)
+    kv = model.new_cache(N * base, S, NamedSharding(mesh, P(AXIS)), extra_pages=N * extra)
     graphdef, state = nnx.split(model)
     forward = jax.jit(layout_step(graphdef, state, kv, mesh, layout, "xla", sampled=False))
-    alloc = PageAllocator(N, PER_DEVICE, S)
+    alloc = PageAllocator(N, base, S, extra)
     device_pages = {r: [[] for _ in range(N)] for r in PROMPTS}
     out = []
     for spec in STEPS:
@@ -64,10 +67,11 @@ def layout_logits(name):
             for d, count in enumerate(need):
                 device_pages[r][d] += alloc.allocate(count, d)
             chunks.append(LayoutChunk(PROMPTS[r][s : s + k], s, device_pages[r], OWNERS[r]))
-        tokens = 32
-        batch, _ = build_layout_step(layout, N, S, PER_DEVICE, chunks, tokens, 4, M)
+        batch = build_layout_step(layout, alloc, chunks, 32, 4, M)
         logits, kv = forward(state, kv, batch)
         out.append(np.asarray(logits[: len(spec)]))
+    if layout.heads_sharded:
+        assert alloc.extra_pages_in_use() > 0  # the extra segment really served pages
     return out
 
 
@@ -97,12 +101,13 @@ def _attention_hlo(name):
         attn = nnx.merge(graphdef, state)
         local = {k: v[0] for k, v in batch.items()}
         local = type("B", (), local)
-        out, pools = ctx.attention(attn, x, cos_sin, (latent, rope), local)
-        return out, pools
+        out, pools = ctx.attention(attn, x, cos_sin, ((latent, rope),), local)
+        return out, pools[0]
 
     specs = param_specs(state, layout)
-    batch = {k: jnp.zeros((N, 16), jnp.int32) for k in ("token_request", "write_page", "write_offset", "kv_lens")}
-    batch["page_table"] = jnp.zeros((N, 4, M), jnp.int32)
+    batch = {k: jnp.zeros((N, 16), jnp.int32) for k in ("token_request", "write_offset")}
+    batch |= {k: jnp.zeros((N, 1, 16), jnp.int32) for k in ("write_page", "kv_lens")}
+    batch["page_table"] = jnp.zeros((N, 1, 4, M), jnp.int32)
     fn = jax.jit(jax.shard_map(
         block, mesh=mesh, in_specs=(specs, P(), P(), P(AXIS), P(AXIS), {k: P(AXIS) for k in batch}),
         out_specs=(P(), (P(AXIS), P(AXIS))), check_vma=False,

@@ -61,9 +61,22 @@ class ShardedContext:
         return getattr(self, "_" + self.layout.name)(attn, x, cos_sin, pools, batch)
 
     def _attend(self, attn, q_latent, q_pe, pools, batch):
-        page_table = batch.page_table[batch.token_request]
-        return dispatch.paged_attention(
-            q_latent, q_pe, *pools, page_table, batch.kv_lens, attn.cfg.softmax_scale, impl=self.impl
+        """Attention over every pool segment of this device, merged exactly by log-sum-exp."""
+        parts = [
+            dispatch.paged_attention(
+                q_latent, q_pe, *pool, batch.page_table[g][batch.token_request], batch.kv_lens[g],
+                attn.cfg.softmax_scale, impl=self.impl,
+            )
+            for g, pool in enumerate(pools)
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return merge_partial_attention(jnp.stack([o for o, _ in parts]), jnp.stack([l for _, l in parts]))
+
+    def _write(self, attn, x, cos_sin, pools, batch):
+        return tuple(
+            attn.write_latent(x, cos_sin, pool, batch.write_page[g], batch.write_offset)
+            for g, pool in enumerate(pools)
         )
 
     def _segment(self, a):
@@ -74,14 +87,17 @@ class ShardedContext:
     def _tp(self, attn, x, cos_sin, pools, batch):
         q_nope, q_pe = attn.queries(x)  # local heads, all tokens
         q_pe = apply_rope(q_pe, cos_sin, attn.cfg.rope.interleaved)
-        pools = attn.write_latent(x, cos_sin, pools, batch.write_page, batch.write_offset)  # my replica
+        pools = self._write(attn, x, cos_sin, pools, batch)  # my replica
         o_latent, _ = self._attend(attn, attn.absorb(q_nope), q_pe, pools, batch)
         return jax.lax.psum(attn.output(o_latent), AXIS), pools
 
     def _dp(self, attn, x, cos_sin, pools, batch):
         xs, cs = self._segment(x), self._segment(cos_sin)
-        out, pools = attn(xs, cs, pools, batch, self.impl)  # all heads, my rows, my pages
-        return jax.lax.all_gather(out, AXIS, axis=0, tiled=True), pools
+        q_nope, q_pe = attn.queries(xs)  # all heads (replicated weights), my rows
+        q_pe = apply_rope(q_pe, cs, attn.cfg.rope.interleaved)
+        pools = self._write(attn, xs, cs, pools, batch)
+        o_latent, _ = self._attend(attn, attn.absorb(q_nope), q_pe, pools, batch)
+        return jax.lax.all_gather(attn.output(o_latent), AXIS, axis=0, tiled=True), pools
 
     def _dop(self, attn, x, cos_sin, pools, batch):
         cfg = attn.cfg
@@ -97,7 +113,7 @@ class ShardedContext:
         q_all = jnp.concatenate([attn.absorb(q_nope), q_pe], axis=-1)
         # Head shards -> owners: my rows with every head.
         q_mine = jax.lax.all_to_all(q_all, AXIS, split_axis=0, concat_axis=1, tiled=True)
-        pools = attn.write_latent(xs, cs, pools, batch.write_page, batch.write_offset)
+        pools = self._write(attn, xs, cs, pools, batch)
         o_latent, _ = self._attend(attn, q_mine[..., : cfg.kv_lora_rank], q_mine[..., cfg.kv_lora_rank :], pools, batch)
         # Owners -> head shards: every row, my heads.
         o_heads = jax.lax.all_to_all(o_latent, AXIS, split_axis=1, concat_axis=0, tiled=True)
@@ -110,7 +126,7 @@ class ShardedContext:
         q_pe = apply_rope(q_pe, cos_sin, cfg.rope.interleaved)
         q_all = jnp.concatenate([attn.absorb(q_nope), q_pe], axis=-1)
         q_full = jax.lax.all_gather(q_all, AXIS, axis=1, tiled=True)  # every head, every token
-        pools = attn.write_latent(x, cos_sin, pools, batch.write_page, batch.write_offset)  # my stripe
+        pools = self._write(attn, x, cos_sin, pools, batch)  # my stripe
         o_part, lse = self._attend(attn, q_full[..., : cfg.kv_lora_rank], q_full[..., cfg.kv_lora_rank :], pools, batch)
         t, h, l = o_part.shape
         # Partials over my pages -> the devices owning each head shard, source device on axis 1.

@@ -27,7 +27,15 @@ from splash_jax.engine.request import Request, RequestError, RequestOutput, Samp
 from splash_jax.engine.sampler import SamplingInputs
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
-from splash_jax.kv.capacity import kv_budget_bytes, pages_per_device
+from splash_jax.kv.capacity import (
+    bytes_per_page,
+    extra_pages_per_device,
+    head_sharded_weight_bytes,
+    kv_budget_bytes,
+    layout_capacities,
+    layout_token_capacity,
+    pages_per_device,
+)
 from splash_jax.kv.placement import LayoutChunk, build_layout_step
 from splash_jax.mesh.layouts import AXIS, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
@@ -58,6 +66,7 @@ class Engine:
         self.n = self.mesh.shape[AXIS]
         devices = list(self.mesh.devices.flat)
         dtype = config.resolved_dtype(backend)
+        self.page_dtype = dtype
 
         t0 = time.perf_counter()
         path = Path(config.model) if config.model else DEFAULT_MODEL
@@ -74,21 +83,31 @@ class Engine:
 
         cfg = self.model_config
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        # The base segment is what every layout has (the budget with attention weights replicated);
+        # head-sharded layouts add an extra segment made of the weight memory they free.
+        self.page_bytes = bytes_per_page(cfg, config.page_size, dtype)
+        self.head_sharded_bytes = head_sharded_weight_bytes(self.model)
+        self.extra_pages = extra_pages_per_device(self.head_sharded_bytes, self.n, self.page_bytes)
         budget = kv_budget_bytes(devices[0], config.kv_memory_gb, config.kv_memory_fraction)
+        if config.kv_memory_gb is None and self.layout.heads_sharded:
+            budget -= self.extra_pages * self.page_bytes  # free memory already includes the freed weights
         per_device = pages_per_device(cfg, config.page_size, dtype, budget, config.max_pages)
         pool_tokens = per_device * config.page_size
         if self.max_model_len > pool_tokens:
             log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping", self.max_model_len, pool_tokens)
             self.max_model_len = pool_tokens
-        self.allocator = PageAllocator(self.n, per_device, config.page_size)
+        extra = self.extra_pages if self.layout.heads_sharded else 0
+        self.allocator = PageAllocator(self.n, per_device, config.page_size, extra)
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             self.layout.kv_placement,
         )
-        kv = self.model.new_cache(self.allocator.num_pages, config.page_size, NamedSharding(self.mesh, P(AXIS)))
+        kv = self.model.new_cache(
+            self.n * per_device, config.page_size, NamedSharding(self.mesh, P(AXIS)), extra_pages=self.n * extra
+        )
         log.info(
-            "KV pool: %d pages x %d tokens = %d tokens per device (%.2f GiB)",
-            per_device, config.page_size, pool_tokens, kv.nbytes() / 2**30,
+            "KV pool (%s on %d devices): %d base + %d extra pages of %d tokens per device, %d tokens capacity (%.2f GiB)",
+            self.layout.name, self.n, per_device, extra, config.page_size, self.kv_capacity_tokens(), kv.nbytes() / 2**30,
         )
         self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
         self.executor = StepExecutor(
@@ -196,8 +215,8 @@ class Engine:
         else:
             bucket = self.executor.pick(sum(c.num_tokens for c in chunks), len(chunks))
             rows = bucket.requests
-        batch, _ = build_layout_step(
-            self.layout, self.n, self.config.page_size, self.allocator.pages_per_device,
+        batch = build_layout_step(
+            self.layout, self.allocator,
             [LayoutChunk(c.tokens, c.start, c.request.device_pages, c.request.owner) for c in chunks],
             bucket.tokens, bucket.requests, self.pages_per_request,
         )
@@ -284,6 +303,19 @@ class Engine:
                     results[ids[out.request_id]] = out
         return [results[i] for i in range(len(prompts))]
 
+    def kv_capacity_tokens(self, layout_name: str | None = None) -> int:
+        """Tokens of distinct requests the pool holds under a layout (the current one by default)."""
+        layout = get_layout(layout_name) if layout_name else self.layout
+        extra = self.extra_pages if layout.heads_sharded else 0
+        return layout_token_capacity(layout.kv_placement, self.n, self.allocator.pages_per_device, extra, self.config.page_size)
+
+    def capacities(self) -> dict:
+        """Every layout's capacity on this engine's devices, known before any switch."""
+        return layout_capacities(
+            self.model_config, self.n, self.config.page_size, self.page_dtype, self.allocator.pages_per_device,
+            self.head_sharded_bytes,
+        )
+
     def stats(self) -> dict:
         usage = self.allocator.usage()
         window = [t for t in self._recent if t[0] > time.monotonic() - 10]
@@ -294,7 +326,7 @@ class Engine:
             "pages_total": sum(u.total_pages for u in usage),
             "pages_used": sum(u.used_pages for u in usage),
             "tokens_used": sum(u.used_pages for u in usage) * self.config.page_size,
-            "kv_capacity_tokens": sum(u.total_pages for u in usage) * self.config.page_size,
+            "kv_capacity_tokens": self.kv_capacity_tokens(),
             "per_device": [u.__dict__ for u in usage],
             "generation_tokens_per_s": (sum(n for _, n in window[1:]) / span) if span > 0 else 0.0,
             "num_steps": self.num_steps,

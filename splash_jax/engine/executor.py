@@ -121,11 +121,11 @@ class StepExecutor:
         def arr(shape, dtype=jnp.int32, sharding=self.replicated):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        t = bucket.tokens
+        t, g = bucket.tokens, self.kv.num_segments
         batch = StepInput(
-            arr((t_total,)), arr((t_total,)), arr((n, t), sharding=per_device), arr((n, t), sharding=per_device),
-            arr((n, t), sharding=per_device), arr((n, t), sharding=per_device),
-            arr((n, bucket.requests, m), sharding=per_device), arr((rows,)),
+            arr((t_total,)), arr((t_total,)), arr((n, t), sharding=per_device), arr((n, g, t), sharding=per_device),
+            arr((n, t), sharding=per_device), arr((n, g, t), sharding=per_device),
+            arr((n, g, bucket.requests, m), sharding=per_device), arr((rows,)),
         )
         sampling = SamplingInputs(
             arr((rows,), jnp.float32), arr((rows,)), arr((rows,), jnp.float32), arr((rows,), jnp.uint32), arr((rows,))

@@ -1,13 +1,18 @@
 """Page allocator over a pool sharded by contiguous page ranges, one free list per device.
 
-Device d owns global pages [d * pages_per_device, (d + 1) * pages_per_device). Layouts decide
-which device's pages a request gets (its owner, all devices, or a stripe); this class only
-hands out and takes back page ids, and answers capacity questions.
+The pool has a base segment and, while attention weights are head-sharded, an extra segment
+made of the memory those weights no longer use. Global page ids:
+  base : device d owns [d*B, (d+1)*B)
+  extra: device d owns [N*B + d*E, N*B + (d+1)*E)
+Layouts decide which devices a request's pages go to; this class hands out and takes back
+ids (base pages first, so the extra segment empties easily) and answers capacity questions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 
 class OutOfPages(RuntimeError):
@@ -26,41 +31,86 @@ class DeviceUsage:
 
 
 class PageAllocator:
-    def __init__(self, num_devices: int, pages_per_device: int, page_size: int):
+    def __init__(self, num_devices: int, pages_per_device: int, page_size: int, extra_pages_per_device: int = 0):
         if pages_per_device < 1:
             raise ValueError(f"the KV pool has no pages (pages_per_device={pages_per_device})")
         self.num_devices = num_devices
-        self.pages_per_device = pages_per_device
+        self.pages_per_device = pages_per_device  # base segment
         self.page_size = page_size
-        # Pop from the end; keep low ids first out for readable page tables.
-        self._free = [
-            list(range((d + 1) * pages_per_device - 1, d * pages_per_device - 1, -1)) for d in range(num_devices)
-        ]
+        self.extra_per_device = 0
+        # Pop from the end; low ids come out first.
+        self._free = [list(range((d + 1) * pages_per_device - 1, d * pages_per_device - 1, -1)) for d in range(num_devices)]
+        self._free_extra: list[list[int]] = [[] for _ in range(num_devices)]
+        if extra_pages_per_device:
+            self.add_extra_segment(extra_pages_per_device)
+
+    # --- segments -------------------------------------------------------------------------
+    @property
+    def num_base_pages(self) -> int:
+        return self.num_devices * self.pages_per_device
 
     @property
     def num_pages(self) -> int:
-        return self.num_devices * self.pages_per_device
+        return self.num_devices * (self.pages_per_device + self.extra_per_device)
+
+    def add_extra_segment(self, pages_per_device: int) -> None:
+        if self.extra_per_device:
+            raise RuntimeError("the extra segment already exists")
+        self.extra_per_device = pages_per_device
+        start = self.num_base_pages
+        self._free_extra = [
+            list(range(start + (d + 1) * pages_per_device - 1, start + d * pages_per_device - 1, -1))
+            for d in range(self.num_devices)
+        ]
+
+    def remove_extra_segment(self) -> None:
+        if any(len(f) != self.extra_per_device for f in self._free_extra):
+            raise RuntimeError("the extra segment still holds pages in use")
+        self.extra_per_device = 0
+        self._free_extra = [[] for _ in range(self.num_devices)]
+
+    def extra_pages_in_use(self) -> int:
+        return sum(self.extra_per_device - len(f) for f in self._free_extra) if self.extra_per_device else 0
+
+    def locate(self, pages) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(device, segment 0|1, local id within that device's segment) of global page ids."""
+        pages = np.asarray(pages, np.int64)
+        base = pages < self.num_base_pages
+        rel = pages - self.num_base_pages
+        extra = max(self.extra_per_device, 1)
+        device = np.where(base, pages // self.pages_per_device, rel // extra)
+        local = np.where(base, pages % self.pages_per_device, rel % extra)
+        return device, (~base).astype(np.int64), local
 
     def device_of(self, page: int) -> int:
-        return page // self.pages_per_device
+        return int(self.locate([page])[0][0])
 
+    # --- pages ----------------------------------------------------------------------------
     def num_free(self, device: int = 0) -> int:
-        return len(self._free[device])
+        return len(self._free[device]) + len(self._free_extra[device])
 
     def allocate(self, n: int, device: int = 0) -> list[int]:
-        free = self._free[device]
-        if n > len(free):
-            raise OutOfPages(f"device {device}: asked for {n} pages, {len(free)} free")
-        taken = free[len(free) - n :][::-1]
-        del free[len(free) - n :]
+        base, extra = self._free[device], self._free_extra[device]
+        if n > len(base) + len(extra):
+            raise OutOfPages(f"device {device}: asked for {n} pages, {len(base) + len(extra)} free")
+        taken = []
+        for free in (base, extra):
+            k = min(n - len(taken), len(free))
+            if k:
+                taken += free[len(free) - k :][::-1]
+                del free[len(free) - k :]
         return taken
 
     def free(self, pages: list[int]) -> None:
-        for p in reversed(pages):
-            self._free[self.device_of(p)].append(p)
+        if not pages:
+            return
+        device, segment, _ = self.locate(pages)
+        for p, d, s in zip(reversed(pages), device[::-1], segment[::-1]):
+            (self._free_extra if s else self._free)[d].append(p)
 
     def usage(self) -> list[DeviceUsage]:
-        return [DeviceUsage(d, self.pages_per_device, len(self._free[d])) for d in range(self.num_devices)]
+        total = self.pages_per_device + self.extra_per_device
+        return [DeviceUsage(d, total, self.num_free(d)) for d in range(self.num_devices)]
 
 
 def pages_for_tokens(num_tokens: int, page_size: int) -> int:

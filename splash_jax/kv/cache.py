@@ -18,33 +18,50 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    latent: tuple[jax.Array, ...]  # L x [P, S, kv_lora_rank]
+    latent: tuple[jax.Array, ...]  # L x [P, S, kv_lora_rank]   base segment
     rope: tuple[jax.Array, ...]  # L x [P, S, rope_dim]
+    extra_latent: tuple[jax.Array, ...] = ()  # L x [Pe, S, kv_lora_rank]: extra segment (see kv/allocator.py)
+    extra_rope: tuple[jax.Array, ...] = ()
 
     @property
     def num_layers(self) -> int:
         return len(self.latent)
 
     @property
-    def num_pages(self) -> int:
-        return self.latent[0].shape[0]
+    def num_segments(self) -> int:
+        return 2 if self.extra_latent else 1
 
-    @property
-    def page_size(self) -> int:
-        return self.latent[0].shape[1]
+    def layer(self, i: int) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """Layer i's pools, one (latent, rope) pair per segment."""
+        base = ((self.latent[i], self.rope[i]),)
+        return base + (((self.extra_latent[i], self.extra_rope[i]),) if self.extra_latent else ())
 
     @classmethod
-    def zeros(cls, num_layers, num_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding=None):
+    def from_layers(cls, layers: list[tuple[tuple[jax.Array, jax.Array], ...]]) -> "KVCache":
+        extra = len(layers[0]) > 1
+        return cls(
+            latent=tuple(p[0][0] for p in layers), rope=tuple(p[0][1] for p in layers),
+            extra_latent=tuple(p[1][0] for p in layers) if extra else (),
+            extra_rope=tuple(p[1][1] for p in layers) if extra else (),
+        )
+
+    @staticmethod
+    def zeros_segment(num_layers, num_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding=None):
         def make(dim):
             shape = (num_pages, page_size, dim)
             if sharding is None:
                 return jnp.zeros(shape, dtype)
             return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
-        return cls(
-            latent=tuple(make(kv_lora_rank) for _ in range(num_layers)),
-            rope=tuple(make(rope_dim) for _ in range(num_layers)),
-        )
+        return tuple(make(kv_lora_rank) for _ in range(num_layers)), tuple(make(rope_dim) for _ in range(num_layers))
+
+    @classmethod
+    def zeros(cls, num_layers, num_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding=None, extra_pages=0):
+        latent, rope = cls.zeros_segment(num_layers, num_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding)
+        extra = ((), ())
+        if extra_pages:
+            extra = cls.zeros_segment(num_layers, extra_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding)
+        return cls(latent, rope, *extra)
 
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
@@ -55,7 +72,10 @@ class KVCache:
 class StepInput:
     """Fixed-shape inputs of one forward step (T token slots, R request slots, M pages per request).
 
-    Padding token slots have kv_len 0 and a write page equal to the pool size (dropped).
+    Padding token slots have kv_len 0 and a write page beyond the pool (dropped). Shapes below
+    are the single-device model's; a layout step (kv/placement.py) gives the page fields a
+    leading [N devices] axis and a [G segments] axis: token_request/write_offset [N, Tq],
+    write_page/kv_lens [N, G, Tq], page_table [N, G, R, M].
     """
 
     tokens: jax.Array  # [T] int32

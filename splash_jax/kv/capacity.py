@@ -44,3 +44,51 @@ def pages_per_device(cfg: ModelConfig, page_size: int, dtype, budget_bytes: int,
 
 def device_of_mesh(mesh: jax.sharding.Mesh):
     return mesh.devices.flat[0]
+
+
+def head_sharded_weight_bytes(model_or_abstract_state) -> int:
+    """Bytes of the attention weights that layouts shard by head (q_b/q_proj, w_uk, w_uv, o_proj)."""
+    from flax import nnx
+
+    from splash_jax.mesh.layouts import HEAD_SHARDED
+
+    state = model_or_abstract_state
+    if isinstance(state, nnx.Module):
+        state = nnx.state(state, nnx.Param)
+    total = 0
+    for path, var in nnx.to_flat_state(state):
+        if str(path[-1]) in HEAD_SHARDED:
+            total += int(np.prod(var.shape)) * np.dtype(var.dtype).itemsize
+    return total
+
+
+def extra_pages_per_device(head_sharded_bytes: int, n: int, page_bytes: int) -> int:
+    """Pages made of the weight memory a device frees when attention weights go from replicated to 1/N."""
+    if n <= 1:
+        return 0
+    return int(head_sharded_bytes * (n - 1) // n // page_bytes)
+
+
+def layout_token_capacity(kv_placement: str, n: int, base_pages: int, extra_pages: int, page_size: int) -> int:
+    """Tokens of distinct requests the pool holds under a layout (replicas count once)."""
+    per_device = base_pages + extra_pages
+    if kv_placement == "replicated":
+        return per_device * page_size
+    return n * per_device * page_size
+
+
+def layout_capacities(cfg: ModelConfig, n: int, page_size: int, dtype, base_pages: int, head_sharded_bytes: int) -> dict:
+    """Per layout: pages per device (base, extra) and token capacity, from the engine's accounting."""
+    from splash_jax.mesh.layouts import LAYOUTS
+
+    page_bytes = bytes_per_page(cfg, page_size, dtype)
+    extra = extra_pages_per_device(head_sharded_bytes, n, page_bytes)
+    out = {}
+    for name, layout in LAYOUTS.items():
+        e = extra if layout.heads_sharded else 0
+        out[name] = {
+            "base_pages_per_device": base_pages,
+            "extra_pages_per_device": e,
+            "tokens": layout_token_capacity(layout.kv_placement, n, base_pages, e, page_size),
+        }
+    return out

@@ -5,7 +5,7 @@ A request holds `device_pages[d]`: global page ids on device d, in position orde
   owner (dp, dop): only its owner device holds pages.
   striped (cp): global page j of the request lives on device j % N.
 `build_layout_step` turns scheduled chunks into StepInput arrays whose per-device fields have
-a leading [N] axis (sharded over the mesh), with local page ids.
+a leading [N] axis (sharded over the mesh), with page ids local to a device's pool segment.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from splash_jax.kv.allocator import pages_for_tokens
+from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import Layout
 
@@ -47,77 +47,66 @@ class LayoutChunk:
 
 def build_layout_step(
     layout: Layout,
-    n: int,
-    page_size: int,
-    pages_per_device: int,
+    allocator: PageAllocator,
     chunks: Sequence[LayoutChunk],
     tokens_bucket: int,
     requests_bucket: int,
     pages_bucket: int,
-) -> tuple[StepInput, np.ndarray]:
-    """Returns the StepInput and, for each logits row, the index of its chunk (-1 = padding)."""
+) -> StepInput:
+    """Per-device step arrays (leading [N] axis; page fields also carry a [G] segment axis).
+
+    Every device's view of a request is its list of pages in position order, split by pool
+    segment. Within a segment positions increase with the list, so the cached positions a
+    token may attend there are a prefix whose length is the segment's kv_len for that token.
+    """
+    n, page_size = allocator.num_devices, allocator.page_size
+    segments = 2 if allocator.extra_per_device else 1
+    sentinel = allocator.pages_per_device + allocator.extra_per_device  # beyond either segment: dropped
     owner_rows = layout.owner_rows
-    total_tokens = n * tokens_bucket if owner_rows else tokens_bucket
-    rows_total = n * requests_bucket if owner_rows else requests_bucket
     tq = tokens_bucket
+    total_tokens = n * tq if owner_rows else tq
+    rows_total = n * requests_bucket if owner_rows else requests_bucket
     tokens = np.zeros(total_tokens, np.int32)
     positions = np.zeros(total_tokens, np.int32)
     token_request = np.zeros((n, tq), np.int32)
-    kv_lens = np.zeros((n, tq), np.int32)
-    write_page = np.full((n, tq), pages_per_device, np.int32)
+    kv_lens = np.zeros((n, segments, tq), np.int32)
+    write_page = np.full((n, segments, tq), sentinel, np.int32)
     write_offset = np.zeros((n, tq), np.int32)
-    page_table = np.zeros((n, requests_bucket, pages_bucket), np.int32)
+    page_table = np.zeros((n, segments, requests_bucket, pages_bucket), np.int32)
     logits_index = np.zeros(rows_total, np.int32)
-    row_chunk = np.full(rows_total, -1, np.int64)
 
-    fill = [0] * n  # owner layouts: next free slot / request row per device
-    req_rows = [0] * n
-    slot = 0
+    fill, req_rows, slot = [0] * n, [0] * n, 0
     for ci, c in enumerate(chunks):
         m = len(c.tokens)
-        pos = c.start + np.arange(m, dtype=np.int32)
+        pos = c.start + np.arange(m, dtype=np.int64)
         if owner_rows:
             d = c.owner
             if fill[d] + m > tq or req_rows[d] >= requests_bucket:
                 raise ValueError(f"device {d} overflows its bucket ({tq} tokens, {requests_bucket} requests)")
-            base, r = d * tq + fill[d], req_rows[d]
-            local_pages = np.asarray(c.device_pages[d], np.int64) - d * pages_per_device
-            page_table[d, r, : len(local_pages)] = local_pages
-            sl = slice(fill[d], fill[d] + m)
-            token_request[d, sl] = r
-            kv_lens[d, sl] = pos + 1
-            write_page[d, sl] = local_pages[pos // page_size]
-            write_offset[d, sl] = pos % page_size
+            devices, base, row, local_slots = [d], d * tq + fill[d], req_rows[d], slice(fill[d], fill[d] + m)
             fill[d] += m
             req_rows[d] += 1
-            row = ci
         else:
             if slot + m > tq or ci >= requests_bucket:
                 raise ValueError(f"step overflows its bucket ({tq} tokens, {requests_bucket} requests)")
-            base = slot
-            sl = slice(slot, slot + m)
-            page_index = pos // page_size
-            for d in range(n):
-                local_pages = np.asarray(c.device_pages[d], np.int64) - d * pages_per_device
-                page_table[d, ci, : len(local_pages)] = local_pages
-                token_request[d, sl] = ci
-                write_offset[d, sl] = pos % page_size
-                if layout.kv_placement == "replicated":
-                    kv_lens[d, sl] = pos + 1
-                    write_page[d, sl] = local_pages[page_index]
-                else:  # striped: page j on device j % n; local index j // n
-                    padded = np.append(local_pages, pages_per_device)  # last entry: the drop sentinel
-                    local_index = np.where(page_index % n == d, page_index // n, len(local_pages))
-                    write_page[d, sl] = padded[np.minimum(local_index, len(local_pages))]
-                    # Local slots hold global positions (d + k*n)*S + o; count those <= pos.
-                    k = np.arange(len(local_pages))
-                    first = (d + k * n) * page_size
-                    kv_lens[d, sl] = np.clip(pos[:, None] + 1 - first[None, :], 0, page_size).sum(-1)
+            devices, base, row, local_slots = range(n), slot, ci, slice(slot, slot + m)
             slot += m
-            row = ci
+        for d in devices:
+            pages = c.device_pages[d]
+            _, seg, local = allocator.locate(pages)
+            k = np.arange(len(pages))
+            first = ((d + k * n) if layout.kv_placement == "striped" else k) * page_size  # first position per page
+            token_request[d, local_slots] = row
+            write_offset[d, local_slots] = pos % page_size
+            holder = (pos[:, None] >= first[None, :]) & (pos[:, None] < first[None, :] + page_size)  # [m, pages]
+            for g in range(segments):
+                in_g = seg == g
+                table = local[in_g]
+                page_table[d, g, row, : len(table)] = table
+                kv_lens[d, g, local_slots] = np.clip(pos[:, None] + 1 - first[in_g][None, :], 0, page_size).sum(-1)
+                hit = holder & in_g[None, :]
+                write_page[d, g, local_slots] = np.where(hit.any(-1), (hit * local[None, :]).sum(-1), sentinel)
         tokens[base : base + m] = np.asarray(c.tokens, np.int32)
         positions[base : base + m] = pos
-        logits_index[row] = base + m - 1
-        row_chunk[row] = ci
-    batch = StepInput(tokens, positions, token_request, write_page, write_offset, kv_lens, page_table, logits_index)
-    return batch, row_chunk
+        logits_index[ci] = base + m - 1
+    return StepInput(tokens, positions, token_request, write_page, write_offset, kv_lens, page_table, logits_index)
