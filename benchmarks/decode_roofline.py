@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import table, write_results
+from benchmarks.harness import clear, inject_decoding
 from benchmarks.shapes import shape_folder
-from splash_jax.engine import Engine, EngineConfig, SamplingParams
-from splash_jax.engine.request import Request, Status
+from splash_jax.engine import Engine, EngineConfig
 
 log = logging.getLogger("benchmarks.decode_roofline")
 
@@ -43,24 +43,6 @@ def copy_bandwidth(gib: float = 4.0) -> float:
         f(x).block_until_ready()
         times.append(time.perf_counter() - t)
     return 2 * x.nbytes / float(np.median(times))
-
-
-def inject_decoding(engine: Engine, batch: int, context: int) -> list[Request]:
-    """`batch` running requests with `context` cached tokens each, next step decodes."""
-    rng = np.random.default_rng(0)
-    reqs = []
-    for i in range(batch):
-        prompt = rng.integers(0, engine.model_config.vocab_size, context + 1).tolist()
-        r = engine.make_request(prompt, SamplingParams(max_tokens=10_000, ignore_eos=True), f"bench-{batch}-{context}-{i}")
-        engine.add_request(r)
-        engine.scheduler.waiting.remove(r)
-        r.pages = engine.allocator.allocate(-(-(context + 64) // engine.config.page_size), 0)
-        r.num_computed = context
-        r.status = Status.RUNNING
-        r.order = i
-        engine.scheduler.running.append(r)
-        reqs.append(r)
-    return reqs
 
 
 def weight_bytes(model, batch: int) -> tuple[float, float]:
@@ -128,8 +110,7 @@ def main(argv=None):
                 out = engine.executor.run(bucket, batch_in, sampling)
             jax.block_until_ready((out, engine.executor.kv))
             device_s = (time.perf_counter() - t) / args.steps
-            for r in reqs:
-                engine.abort(r.request_id)
+            clear(engine, reqs)
             ideal_w, dense_w = weight_bytes(engine.model, b)
             kv_bytes = b * (ctx + args.steps) * cfg.latent_dim * 2 * cfg.num_layers
             row = {

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import StepExecutor, bucket_ladder
+from splash_jax.engine.executor import StepExecutor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingParams, Status
 from splash_jax.engine.sampler import SamplingInputs
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
@@ -112,7 +112,7 @@ class Engine:
         self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
         self.executor = StepExecutor(
             self.model, kv, self.mesh, self.layout,
-            bucket_ladder(config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
+            (config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
             self.pages_per_request, config.attention_impl,
         )
         if config.warmup:

@@ -86,12 +86,12 @@ def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str, sampled: b
 
 
 class StepExecutor:
-    def __init__(self, model, kv: KVCache, mesh, layout: Layout, buckets: list[Bucket], pages_per_request: int, impl: str):
+    def __init__(self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int, impl: str):
         self.graphdef, self.state = nnx.split(model)
         self.kv = kv
         self.mesh = mesh
         self.n = mesh.shape[AXIS]
-        self.buckets = sorted(buckets)
+        self.ladder = ladder  # (max tokens, max requests, min tokens) per step
         self.pages_per_request = pages_per_request
         self.impl = impl
         self.replicated = NamedSharding(mesh, P())
@@ -136,9 +136,16 @@ class StepExecutor:
         batch, sampling = self.abstract_inputs(layout, bucket)
         return self.program(layout).lower(self.state, self.kv, batch, sampling)
 
+    def buckets(self, layout: Layout) -> list[Bucket]:
+        """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""
+        max_tokens, max_requests, min_tokens = self.ladder
+        if layout.owner_rows:
+            min_tokens = max(1, min_tokens // self.n)
+        return bucket_ladder(max_tokens, max_requests, min_tokens)
+
     def compile_all(self, layouts: list[Layout] | None = None, show_progress: bool = True) -> float:
         layouts = layouts or [self.layout]
-        todo = [(lay, b) for lay in layouts for b in self.buckets if (lay.name, b) not in self._compiled]
+        todo = [(lay, b) for lay in layouts for b in self.buckets(lay) if (lay.name, b) not in self._compiled]
         t0 = time.perf_counter()
         for lay, bucket in tqdm(todo, desc="compiling steps", unit="program", disable=not show_progress, leave=False):
             self._compiled[(lay.name, bucket)] = self.lower(lay, bucket).compile()
@@ -147,7 +154,7 @@ class StepExecutor:
         return elapsed
 
     def pick(self, num_tokens: int, num_requests: int) -> Bucket:
-        for b in self.buckets:
+        for b in self.buckets(self.layout):
             if b.tokens >= num_tokens and b.requests >= num_requests:
                 return b
         raise ValueError(f"no bucket holds {num_tokens} tokens / {num_requests} requests per device")

@@ -1,0 +1,41 @@
+"""Benchmark helpers that put an engine into a chosen state quickly."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from splash_jax.engine import Engine, SamplingParams
+from splash_jax.engine.request import Request, Status
+
+
+def inject_decoding(engine: Engine, batch: int, context: int, tag: str = "bench") -> list[Request]:
+    """`batch` running requests whose first `context` tokens count as cached: the next step decodes.
+
+    Their pages are allocated as the layout places them, their contents are whatever the pool
+    holds: the work of a decode step is the same as after a real prefill, without its cost.
+    """
+    rng = np.random.default_rng(0)
+    sched = engine.scheduler
+    reqs = []
+    for i in range(batch):
+        prompt = rng.integers(0, engine.model_config.vocab_size, context + 1).tolist()
+        r = engine.make_request(prompt, SamplingParams(max_tokens=1_000_000, ignore_eos=True), f"{tag}-{batch}-{context}-{i}")
+        engine.add_request(r)
+        sched.waiting.remove(r)
+        r.device_pages = [[] for _ in range(sched.n)]
+        r.owner = sched._least_loaded()
+        if not sched._allocate(r, context + 64):
+            sched.running.append(r)
+            clear(engine, reqs + [r])
+            raise MemoryError(f"{batch} x {context} tokens do not fit the {engine.layout.name} pool")
+        r.num_computed = context
+        r.status = Status.RUNNING
+        r.order = i
+        sched.running.append(r)
+        reqs.append(r)
+    return reqs
+
+
+def clear(engine: Engine, reqs: list[Request]) -> None:
+    for r in reqs:
+        engine.abort(r.request_id)
