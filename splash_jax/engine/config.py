@@ -28,6 +28,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     layout: str = "tp"  # attention layout: tp | dp | dop | cp (all equal on one device)
     num_devices: int = 1  # devices in the mesh, in jax.devices() order
+    enable_switching: bool = False  # precompile every layout and the migration programs
+    switch_chunk_pages: int = 8  # pages copied per device pair between two steps during a switch
     seed: int = 0
     compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
     warmup: bool = True  # compile every bucket at start-up

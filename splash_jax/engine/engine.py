@@ -37,7 +37,7 @@ from splash_jax.kv.capacity import (
     pages_per_device,
 )
 from splash_jax.kv.placement import LayoutChunk, build_layout_step
-from splash_jax.mesh.layouts import AXIS, get_layout, make_mesh, param_sharding_fn
+from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
 from splash_jax.tokenizer import IncrementalDecoder, Tokenizer
@@ -113,9 +113,15 @@ class Engine:
         self.executor = StepExecutor(
             self.model, kv, self.mesh, self.layout,
             (config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
-            self.pages_per_request, config.attention_impl,
+            self.pages_per_request, config.attention_impl, extra_pages_total=self.n * self.extra_pages,
         )
-        if config.warmup:
+        self.switcher = None
+        if config.enable_switching:
+            from splash_jax.switch.controller import SwitchController
+
+            self.executor.compile_all([get_layout(n) for n in LAYOUT_NAMES] if config.warmup else None)
+            self.switcher = SwitchController(self, config.switch_chunk_pages)
+        elif config.warmup:
             self.executor.compile_all()
 
         self.eos_ids = set(cfg.eos_token_ids)
@@ -177,12 +183,27 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.switcher and self.switcher.active)
 
     # --- one step ------------------------------------------------------------------------
+    def switch_layout(self, dst: str, preempt: bool = False):
+        """Start a live switch to layout `dst` (non-blocking); returns a handle with progress.
+
+        Refused (handle.state == REFUSED, handle.reason says why) when the destination cannot
+        hold the running requests, unless `preempt` lets it recompute the newest ones later.
+        """
+        if self.switcher is None:
+            raise RuntimeError("layout switching is off: build the engine with enable_switching=True")
+        get_layout(dst)
+        return self.switcher.start(dst, preempt)
+
     def step(self) -> list[RequestOutput]:
+        if self.switcher is not None:
+            self.switcher.before_step()  # batch boundary: a finished migration hands off here
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.switcher is not None:
+                self.switcher.after_step()
             return []
         t0 = time.perf_counter()
         batch, sampling, bucket = self._pack(chunks)
@@ -202,6 +223,8 @@ class Engine:
             if chunk.samples:
                 outputs.append(self._append_token(request, int(tokens[i]), host, i, now))
         self._recent.append((now, sum(1 for c in chunks if c.samples)))
+        if self.switcher is not None:
+            self.switcher.after_step()  # a bounded chunk of page copies between steps
         return outputs
 
     def _pack(self, chunks: list[ScheduledChunk]):
@@ -332,6 +355,8 @@ class Engine:
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
             "layout": self.layout.name,
+            "switch": self.switcher.active[0].as_dict() if self.switcher and self.switcher.active else None,
+            "switches": len([h for h in self.switcher.history if h.state.value == "done"]) if self.switcher else 0,
             "num_devices": self.n,
         }
 

@@ -86,7 +86,10 @@ def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str, sampled: b
 
 
 class StepExecutor:
-    def __init__(self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int, impl: str):
+    def __init__(
+        self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
+        impl: str, extra_pages_total: int = 0,
+    ):
         self.graphdef, self.state = nnx.split(model)
         self.kv = kv
         self.mesh = mesh
@@ -99,6 +102,29 @@ class StepExecutor:
         self._compiled: dict[tuple[str, Bucket], object] = {}
         self._input_shardings: dict[tuple[str, Bucket], object] = {}
         self.layout = layout
+        self.extra_pages_total = extra_pages_total  # size of the extra segment when it exists
+
+    # --- per-layout abstract state ---------------------------------------------------------
+    def state_abstract(self, layout: Layout):
+        """The param state as the layout places it (shapes and shardings only)."""
+        specs = param_specs(self.state, layout)
+        return jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)),
+            self.state, specs,
+        )
+
+    def kv_abstract(self, layout: Layout) -> KVCache:
+        """The pool as the layout has it: the extra segment exists only under head-sharded layouts."""
+        sharding = NamedSharding(self.mesh, P(AXIS))
+
+        def spec(x, pages=None):
+            return jax.ShapeDtypeStruct((pages or x.shape[0],) + x.shape[1:], x.dtype, sharding=sharding)
+
+        base_l, base_r = tuple(spec(x) for x in self.kv.latent), tuple(spec(x) for x in self.kv.rope)
+        if layout.heads_sharded and self.extra_pages_total:
+            e = self.extra_pages_total
+            return KVCache(base_l, base_r, tuple(spec(x, e) for x in self.kv.latent), tuple(spec(x, e) for x in self.kv.rope))
+        return KVCache(base_l, base_r)
 
     def program(self, layout: Layout, sampled: bool = True):
         """The jitted shard_map step for a layout: (state, kv, batch, sampling) -> (SampleOutput, kv),
@@ -106,7 +132,9 @@ class StepExecutor:
         key = (layout.name, sampled)
         if key not in self._programs:
             self._programs[key] = jax.jit(
-                layout_step(self.graphdef, self.state, self.kv, self.mesh, layout, self.impl, sampled),
+                layout_step(
+                    self.graphdef, self.state, self.kv_abstract(layout), self.mesh, layout, self.impl, sampled
+                ),
                 donate_argnums=(1,),
             )
         return self._programs[key]
@@ -121,7 +149,7 @@ class StepExecutor:
         def arr(shape, dtype=jnp.int32, sharding=self.replicated):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        t, g = bucket.tokens, self.kv.num_segments
+        t, g = bucket.tokens, self.kv_abstract(layout).num_segments
         batch = StepInput(
             arr((t_total,)), arr((t_total,)), arr((n, t), sharding=per_device), arr((n, g, t), sharding=per_device),
             arr((n, t), sharding=per_device), arr((n, g, t), sharding=per_device),
@@ -134,7 +162,7 @@ class StepExecutor:
 
     def lower(self, layout: Layout, bucket: Bucket):
         batch, sampling = self.abstract_inputs(layout, bucket)
-        return self.program(layout).lower(self.state, self.kv, batch, sampling)
+        return self.program(layout).lower(self.state_abstract(layout), self.kv_abstract(layout), batch, sampling)
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""

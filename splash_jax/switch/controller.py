@@ -1,0 +1,312 @@
+"""Runs a layout switch alongside decoding: background page copies, then a batch-boundary handoff.
+
+Phases of a switch (engine.step() drives them; nothing here blocks the caller):
+  migrating: each step, after the model step is dispatched, up to `chunk_pages` pages per
+             device pair are copied. Only full pages are copied here: decode writes only at or
+             after a request's last position, so a full page never changes again.
+  handoff  : at the next batch boundary once the background copies are done: plans extend to
+             every page holding data (the partial last pages, requests admitted meanwhile), those
+             few copies run, then page tables, owners, the pool's extra segment, the weights
+             and the step executable change together.
+A request that finishes or is preempted during the window drops its plan (its reserved pages
+are freed). `cancel()` before handoff frees every reservation: the source layout is untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from collections import Counter
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from splash_jax.kv.allocator import OutOfPages
+from splash_jax.mesh.layouts import AXIS, Layout, get_layout
+from splash_jax.switch.migration import PageMover, WeightResharder, drop_extra_segment, pack_chunks
+from splash_jax.switch.planner import (
+    SwitchRefused,
+    TransitionPlan,
+    capacity_check,
+    choose_owner,
+    finalize_frees,
+    plan_request,
+    plan_weights,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SwitchState(enum.Enum):
+    MIGRATING = "migrating"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    REFUSED = "refused"
+
+
+@dataclasses.dataclass
+class SwitchHandle:
+    """What `engine.switch_layout` returns: progress now, metrics when done."""
+
+    src: str
+    dst: str
+    state: SwitchState = SwitchState.MIGRATING
+    reason: str | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    finished: float | None = None
+    pages_planned: int = 0
+    pages_copied: int = 0
+    bytes_moved: int = 0
+    steps_overlapped: int = 0
+    handoff_s: float = 0.0
+    preempted: list[str] = dataclasses.field(default_factory=list)
+    plan: dict = dataclasses.field(default_factory=dict)
+    _cancel: bool = False
+
+    def cancel(self) -> None:
+        """Ask to stop before handoff; the engine stays in the source layout."""
+        self._cancel = True
+
+    @property
+    def done(self) -> bool:
+        return self.state != SwitchState.MIGRATING
+
+    @property
+    def progress(self) -> float:
+        if self.done:
+            return 1.0
+        return self.pages_copied / self.pages_planned if self.pages_planned else 0.0
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.finished is None else self.finished - self.started
+
+    def as_dict(self) -> dict:
+        return {
+            "src": self.src, "dst": self.dst, "state": self.state.value, "reason": self.reason,
+            "progress": self.progress, "pages_copied": self.pages_copied, "bytes_moved": self.bytes_moved,
+            "steps_overlapped": self.steps_overlapped, "duration_s": self.duration_s, "handoff_s": self.handoff_s,
+            "preempted": list(self.preempted), "plan": self.plan,
+        }
+
+
+class SwitchController:
+    """Owns the migration programs (compiled at start-up) and the switch in progress."""
+
+    def __init__(self, engine, chunk_pages: int = 8):
+        self.engine = engine
+        self.chunk_pages = chunk_pages
+        ex = engine.executor
+        layouts = [get_layout(n) for n in ("dp", "tp")]  # one without and one with the extra segment
+        self.movers = {}
+        for lay in layouts:
+            structure = ex.kv_abstract(lay).num_segments
+            if structure not in self.movers:
+                self.movers[structure] = PageMover(engine.mesh, ex.kv_abstract(lay), chunk_pages)
+        self.resharder = WeightResharder(engine.mesh)
+        self._precompile_weight_programs()
+        self._make_extra = self._extra_segment_program()
+        self.active: tuple[SwitchHandle, TransitionPlan] | None = None
+        self.history: list[SwitchHandle] = []
+
+    # --- start-up compilation ------------------------------------------------------------------
+    def _precompile_weight_programs(self) -> None:
+        head, flat = get_layout("tp"), get_layout("dp")
+        for path, var in nnx.to_flat_state(self.engine.executor.state):
+            sharded, replicated = head.param_spec(tuple(map(str, path))), flat.param_spec(tuple(map(str, path)))
+            if sharded != replicated:
+                abstract = jax.ShapeDtypeStruct(var.shape, var.dtype)
+                self.resharder.program(abstract, sharded, replicated)
+                self.resharder.program(abstract, replicated, sharded)
+
+    def _extra_segment_program(self):
+        ex = self.engine.executor
+        if not ex.extra_pages_total:
+            return None
+        target = ex.kv_abstract(get_layout("tp"))
+        shapes = tuple(target.extra_latent) + tuple(target.extra_rope)
+
+        def zeros():
+            return tuple(jax.numpy.zeros(s.shape, s.dtype) for s in shapes)
+
+        sharding = NamedSharding(self.engine.mesh, P(AXIS))
+        return jax.jit(zeros, out_shardings=tuple(sharding for _ in shapes)).lower().compile()
+
+    # --- API -------------------------------------------------------------------------------------
+    def start(self, dst_name: str, preempt: bool = False) -> SwitchHandle:
+        engine = self.engine
+        dst = get_layout(dst_name)
+        src = engine.layout
+        handle = SwitchHandle(src.name, dst.name)
+        if self.active is not None:
+            return self._refuse(handle, f"a switch {self.active[0].src}->{self.active[0].dst} is already in progress")
+        if dst.name == src.name:
+            handle.state, handle.finished = SwitchState.DONE, time.perf_counter()
+            return handle
+        sched = engine.scheduler
+        load: Counter = Counter()
+        owners = {}
+        for r in sorted(sched.running, key=lambda r: r.order):
+            owners[r.request_id] = choose_owner(r, src, dst, engine.n, load)
+            load[owners[r.request_id]] += 1
+        dst_pages = engine.allocator.pages_per_device + (engine.extra_pages if dst.heads_sharded else 0)
+        reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners)
+        while reason and preempt and sched.running:
+            victim = max(sched.running, key=lambda r: r.order)
+            sched._preempt(victim)
+            handle.preempted.append(victim.request_id)
+            owners.pop(victim.request_id, None)
+            reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners)
+        if reason:
+            return self._refuse(handle, reason)
+        params = [(tuple(map(str, p)), v[...].nbytes) for p, v in nnx.to_flat_state(engine.executor.state)]
+        plan = TransitionPlan(
+            src, dst, {}, plan_weights(params, src, dst),
+            "add" if dst.heads_sharded and not src.heads_sharded else ("remove" if src.heads_sharded and not dst.heads_sharded else "keep"),
+            engine.page_bytes,
+        )
+        try:
+            for r in sched.running:
+                full = (r.num_computed // engine.config.page_size) * engine.config.page_size
+                plan.requests[r.request_id] = plan_request(
+                    r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owners[r.request_id], upto_tokens=full
+                )
+        except (OutOfPages, SwitchRefused) as e:
+            self._release(plan)
+            return self._refuse(handle, f"not enough free pages to stage the switch: {e}")
+        handle.pages_planned = len(plan.copies)
+        handle.plan = plan.summary()
+        self._cursor = {rid: 0 for rid in plan.requests}
+        self.active = (handle, plan)
+        log.info("switch %s -> %s started: %s", src.name, dst.name, handle.plan)
+        return handle
+
+    # --- driven by engine.step() -----------------------------------------------------------------
+    def before_step(self) -> None:
+        """At the batch boundary: cancel, or hand off once the background copies are done."""
+        if self.active is None:
+            return
+        handle, plan = self.active
+        self._drop_stale(plan)
+        if handle._cancel:
+            self._release(plan)
+            self._finish(handle, SwitchState.CANCELLED)
+            return
+        if not self._pending(plan):
+            self._handoff(handle, plan)
+
+    def after_step(self) -> None:
+        """Between steps: one bounded chunk of background page copies."""
+        if self.active is None:
+            return
+        handle, plan = self.active
+        handle.steps_overlapped += 1
+        self._copy(handle, plan, limit=self.chunk_pages)
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _pending(self, plan: TransitionPlan) -> list[tuple[str, tuple[int, int]]]:
+        return [(rid, c) for rid, p in plan.requests.items() for c in p.copies[self._cursor[rid]:]]
+
+    def _copy(self, handle: SwitchHandle, plan: TransitionPlan, limit: int | None) -> None:
+        pending = self._pending(plan)
+        if limit is not None:
+            pending = pending[: limit * self.engine.n]  # about `limit` pages per device pair
+        if not pending:
+            return
+        engine = self.engine
+        mover = self.movers[engine.executor.kv.num_segments]
+        for chunk in pack_chunks([c for _, c in pending], engine.allocator, self.chunk_pages):
+            engine.executor.kv = mover(engine.executor.kv, chunk)
+        for rid, _ in pending:
+            self._cursor[rid] += 1
+        handle.pages_copied += len(pending)
+        handle.bytes_moved += len(pending) * engine.page_bytes
+
+    def _drop_stale(self, plan: TransitionPlan) -> None:
+        """Requests that finished or were preempted since planning: give back their reservations."""
+        running = {r.request_id for r in self.engine.scheduler.running}
+        for rid in [rid for rid in plan.requests if rid not in running]:
+            self.engine.allocator.free(plan.requests.pop(rid).reserved)
+            self._cursor.pop(rid, None)
+
+    def _release(self, plan: TransitionPlan) -> None:
+        for p in plan.requests.values():
+            self.engine.allocator.free(p.reserved)
+        plan.requests.clear()
+
+    def _handoff(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
+        engine, t0 = self.engine, time.perf_counter()
+        sched, src, dst = engine.scheduler, plan.src, plan.dst
+        load = Counter(p.owner for p in plan.requests.values())
+        # 1. Extend plans to every page holding data (and plan requests admitted meanwhile).
+        for r in sorted(sched.running, key=lambda r: r.order):
+            while True:
+                try:
+                    existing = plan.requests.get(r.request_id)
+                    owner = existing.owner if existing else choose_owner(r, src, dst, engine.n, load)
+                    plan.requests[r.request_id] = plan_request(
+                        r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owner,
+                        upto_tokens=r.num_computed, existing=existing,
+                    )
+                    self._cursor.setdefault(r.request_id, 0)
+                    load[owner] += 1
+                    break
+                except (OutOfPages, SwitchRefused):
+                    # No room to finish the plan: recompute the newest request later (nothing is lost).
+                    victim = max(sched.running, key=lambda q: q.order)
+                    if victim.request_id in plan.requests:
+                        engine.allocator.free(plan.requests.pop(victim.request_id).reserved)
+                    sched._preempt(victim)
+                    handle.preempted.append(victim.request_id)
+                    if victim is r:
+                        break
+        self._copy(handle, plan, limit=None)
+        # 2. Page tables and owners change; pages the destination does not keep are freed.
+        for p in plan.requests.values():
+            finalize_frees(p)
+            engine.allocator.free(p.to_free)
+            p.request.device_pages = p.dst_pages
+            p.request.owner = p.owner
+        ex = engine.executor
+        # 3. Pool segment and weights, in the order that never needs both memories at once.
+        if plan.extra_segment == "remove":
+            engine.allocator.remove_extra_segment()
+            ex.kv = drop_extra_segment(ex.kv)
+        self._reshard_weights(dst)
+        if plan.extra_segment == "add" and self._make_extra is not None:
+            arrays = self._make_extra()
+            n_layers = len(ex.kv.latent)
+            ex.kv = dataclasses.replace(ex.kv, extra_latent=tuple(arrays[:n_layers]), extra_rope=tuple(arrays[n_layers:]))
+            engine.allocator.add_extra_segment(engine.extra_pages)
+        # 4. The step executable and the scheduler's placement rule.
+        engine.layout = ex.layout = dst
+        sched.kv_placement = dst.kv_placement
+        handle.handoff_s = time.perf_counter() - t0
+        handle.plan = plan.summary() | {"weight_bytes_gathered": plan.weight_bytes}
+        self._finish(handle, SwitchState.DONE)
+        log.info("switch %s -> %s done: %s", src.name, dst.name, handle.as_dict())
+
+    def _reshard_weights(self, dst: Layout) -> None:
+        ex = self.engine.executor
+        flat = []
+        for path, var in nnx.to_flat_state(ex.state):
+            target = dst.param_spec(tuple(map(str, path)))
+            x = var[...]
+            if x.sharding.spec != target:
+                x = self.resharder(x, target)
+            flat.append((path, var.replace(x)))
+        ex.state = nnx.from_flat_state(flat)
+
+    def _finish(self, handle: SwitchHandle, state: SwitchState) -> None:
+        handle.state, handle.finished = state, time.perf_counter()
+        self.active = None
+        self.history.append(handle)
+
+    def _refuse(self, handle: SwitchHandle, reason: str) -> SwitchHandle:
+        log.warning("switch %s -> %s refused: %s", handle.src, handle.dst, reason)
+        handle.reason = reason
+        self._finish(handle, SwitchState.REFUSED)
+        return handle

@@ -1,0 +1,181 @@
+"""Transition planning between attention layouts: what is reused, what moves, what is freed.
+
+For every running request and every page index j of its cache, the destination layout names
+the devices that must hold page j (owner: one; replicated: all; striped: j % N). A device that
+already holds page j in a usable segment keeps it (reuse, no copy); any other gets a freshly
+reserved page and a copy from a device that holds it. Source pages not reused are freed at
+handoff. Weights move only when the head-sharded attention roles change placement (DP <->
+the others): a local slice when they become sharded, an all-gather when they become replicated.
+
+Worked examples (N devices):
+  TP -> DOP : cache: keep the owner's replica, free the rest (no copy). weights: none.
+  DP -> DOP : cache: nothing. weights: local slice (no copy), then the extra segment appears.
+  DOP -> TP : cache: broadcast each owned page to the N-1 other devices.
+  DOP -> DP : cache: pages in the extra segment move to base pages on the same device; weights: all-gather.
+  CP <-> DOP: cache: gather the stripes to the owner / scatter the owner's pages to their stripes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+
+from splash_jax.engine.request import Request
+from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
+from splash_jax.mesh.layouts import HEAD_SHARDED, Layout
+
+
+class SwitchRefused(RuntimeError):
+    """The destination layout cannot hold the running requests (the message says why)."""
+
+
+@dataclasses.dataclass
+class RequestPlan:
+    request: Request
+    owner: int
+    dst_pages: list[list[int]]  # per device, global ids in position order (reused or reserved)
+    copies: list[tuple[int, int]]  # (source page, reserved destination page)
+    reserved: list[int]  # destination pages allocated for this plan (freed on cancel)
+    to_free: list[int]  # source pages dropped at handoff
+    planned_pages: int  # pages of the request covered by this plan
+
+
+@dataclasses.dataclass
+class WeightMove:
+    path: tuple
+    kind: str  # "slice" (replicated -> head-sharded, local) | "gather" (head-sharded -> replicated)
+    bytes: int
+
+
+@dataclasses.dataclass
+class TransitionPlan:
+    src: Layout
+    dst: Layout
+    requests: dict[str, RequestPlan]
+    weights: list[WeightMove]
+    extra_segment: str  # "add" | "remove" | "keep"
+    page_bytes: int
+
+    @property
+    def copies(self) -> list[tuple[int, int]]:
+        return [c for p in self.requests.values() for c in p.copies]
+
+    @property
+    def cache_bytes(self) -> int:
+        return len(self.copies) * self.page_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.bytes for w in self.weights if w.kind == "gather")
+
+    def summary(self) -> dict:
+        reused = sum(sum(len(d) for d in p.dst_pages) - len(p.copies) for p in self.requests.values())
+        return {
+            "src": self.src.name, "dst": self.dst.name,
+            "pages_copied": len(self.copies), "pages_reused": reused,
+            "pages_freed": sum(len(p.to_free) for p in self.requests.values()),
+            "cache_bytes": self.cache_bytes, "weight_bytes_gathered": self.weight_bytes,
+            "weight_leaves": {k: sum(1 for w in self.weights if w.kind == k) for k in ("slice", "gather")},
+            "extra_segment": self.extra_segment,
+        }
+
+
+def dst_devices(layout: Layout, n: int, owner: int, page_index: int) -> list[int]:
+    if layout.kv_placement == "replicated":
+        return list(range(n))
+    if layout.kv_placement == "striped":
+        return [page_index % n]
+    return [owner]
+
+
+def page_holders(layout: Layout, n: int, device_pages: list[list[int]]) -> dict[int, list[tuple[int, int]]]:
+    """page index j -> [(device, global page id)] under the layout that placed them."""
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for d, pages in enumerate(device_pages):
+        for k, page in enumerate(pages):
+            j = d + k * n if layout.kv_placement == "striped" else k
+            holders.setdefault(j, []).append((d, page))
+    return holders
+
+
+def plan_weights(param_paths: list[tuple[tuple, int]], src: Layout, dst: Layout) -> list[WeightMove]:
+    if src.heads_sharded == dst.heads_sharded:
+        return []
+    kind = "slice" if dst.heads_sharded else "gather"
+    return [WeightMove(path, kind, nbytes) for path, nbytes in param_paths if str(path[-1]) in HEAD_SHARDED]
+
+
+def plan_request(
+    request: Request, src: Layout, dst: Layout, allocator: PageAllocator, base_only: bool, owner: int,
+    upto_tokens: int | None = None, existing: RequestPlan | None = None,
+) -> RequestPlan:
+    """Reserve destination pages for `request`'s pages (up to `upto_tokens`), extending `existing`."""
+    n = allocator.num_devices
+    num_pages = pages_for_tokens(upto_tokens if upto_tokens is not None else request.num_computed, allocator.page_size)
+    holders = page_holders(src, n, request.device_pages)
+    plan = existing or RequestPlan(request, owner, [[] for _ in range(n)], [], [], [], 0)
+    for j in range(plan.planned_pages, num_pages):
+        have = holders.get(j, [])
+        for d in dst_devices(dst, n, plan.owner, j):
+            local = [p for dev, p in have if dev == d]
+            usable = [p for p in local if not (base_only and allocator.locate([p])[1][0] == 1)]
+            if usable:
+                plan.dst_pages[d].append(usable[0])
+                continue
+            if base_only:
+                new = _allocate_base(allocator, d)
+            else:
+                new = allocator.allocate(1, d)[0]
+            plan.reserved.append(new)
+            plan.dst_pages[d].append(new)
+            src_page = local[0] if local else have[0][1]
+            plan.copies.append((src_page, new))
+    plan.planned_pages = num_pages
+    return plan
+
+
+def _allocate_base(allocator: PageAllocator, device: int) -> int:
+    """A page of the base segment (the only one the destination keeps)."""
+    free = allocator._free[device]
+    if not free:
+        raise SwitchRefused(f"device {device} has no free base page for the destination layout")
+    return free.pop()
+
+
+def finalize_frees(plan: RequestPlan) -> None:
+    """Source pages the destination does not keep (computed at handoff, when pages are final)."""
+    keep = {p for pages in plan.dst_pages for p in pages}
+    plan.to_free = [p for pages in plan.request.device_pages for p in pages if p not in keep]
+
+
+def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Counter) -> int:
+    """Keep the owner between owner layouts; otherwise the device holding most of its pages, then least loaded."""
+    if src.kv_placement == "owner":
+        return request.owner
+    counts = [len(p) for p in request.device_pages] if request.device_pages else [0] * n
+    best = max(counts)
+    candidates = [d for d in range(n) if counts[d] == best]
+    return min(candidates, key=lambda d: (load[d], d))
+
+
+def capacity_check(requests: list[Request], dst: Layout, allocator: PageAllocator, dst_pages_per_device: int, page_size: int, owners: dict[str, int]) -> str | None:
+    """None if the destination can hold every running request, else the reason it cannot."""
+    n = allocator.num_devices
+    need = np.zeros(n, np.int64)
+    for r in requests:
+        g = pages_for_tokens(r.num_tokens + 1, page_size)
+        if dst.kv_placement == "replicated":
+            need += g
+        elif dst.kv_placement == "striped":
+            need += np.array([len(range(d, g, n)) for d in range(n)])
+        else:
+            need[owners[r.request_id]] += g
+    worst = int(np.argmax(need - dst_pages_per_device))
+    if need[worst] > dst_pages_per_device:
+        return (
+            f"layout {dst.name} cannot hold the {len(requests)} running requests: device {worst} would need "
+            f"{int(need[worst])} pages and has {dst_pages_per_device}"
+        )
+    return None

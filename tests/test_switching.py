@@ -1,0 +1,168 @@
+"""Live layout switching: outputs equal a fixed layout under random switch schedules, no-data
+switches finish within a step, memory returns to the destination's steady state, refusal,
+preemption and cancellation leave the engine consistent."""
+
+import gc
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from splash_jax.compile_guard import count_compiles
+from splash_jax.engine import Engine, EngineConfig, SamplingParams
+from splash_jax.mesh.layouts import LAYOUT_NAMES
+from splash_jax.switch.controller import SwitchState
+
+N = 8
+KW = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=40, compile_cache_dir=None, num_devices=N)
+PROMPTS = [
+    "Latent attention keeps one vector per token.",
+    "Switch the layout while requests run",
+    "ok",
+    "Decoupled ownership parallelism puts the cache on an owner and shards the weights by head.",
+    "tensor parallel",
+    "context parallel stripes pages over devices",
+    "x",
+    "data parallel attention replicates the weights",
+]
+ARRIVALS = [0, 0, 2, 3, 5, 9, 14, 20]
+MAX_TOKENS = [30, 24, 28, 16, 34, 20, 26, 12]
+# Consecutive pairs cover all 12 ordered pairs of the four layouts.
+TOUR = ["tp", "dp", "dop", "cp", "tp", "dop", "dp", "cp", "dop", "tp", "cp", "dp", "tp"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(EngineConfig(layout="tp", enable_switching=True, switch_chunk_pages=1, **KW))
+
+
+@pytest.fixture(scope="module")
+def fixed_outputs():
+    e = Engine(EngineConfig(layout="dop", **KW))
+    return run(e, switches=None)[0]
+
+
+def run(engine, switches, rng=None):
+    """Staggered workload; when `switches` (list of layouts) is given, start the next switch as soon
+    as the previous one is done, at random steps. Returns (outputs by prompt index, handles)."""
+    pending = list(zip(ARRIVALS, range(len(PROMPTS))))
+    ids, done, handles, step = {}, {}, [], 0
+    queue = list(switches or [])
+    while pending or engine.has_work() or queue:
+        while pending and pending[0][0] <= step:
+            _, i = pending.pop(0)
+            ids[engine.add_request(PROMPTS[i], SamplingParams(max_tokens=MAX_TOKENS[i]))] = i
+        if queue and engine.switcher.active is None and (rng is None or rng.random() < 0.6):
+            dst = queue.pop(0)
+            if dst != engine.layout.name:
+                handles.append(engine.switch_layout(dst))
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out
+        step += 1
+        if step > 2000:
+            raise RuntimeError("workload did not finish")
+    return done, handles
+
+
+def test_random_switch_schedules_keep_outputs_identical(engine, fixed_outputs):
+    rng = np.random.default_rng(7)
+    extra = [str(x) for x in rng.choice(LAYOUT_NAMES, 14)]
+    schedule = TOUR[1:] + extra  # starts in tp
+    with count_compiles() as compiles:
+        done, handles = run(engine, schedule, rng)
+    assert compiles.count == 0, compiles.events
+    pairs = {(h.src, h.dst) for h in handles if h.state == SwitchState.DONE}
+    assert len(pairs) == 12, pairs
+    assert sum(h.state == SwitchState.DONE for h in handles) >= 20
+    assert any(h.steps_overlapped > 1 and h.pages_copied > 0 for h in handles)  # real background windows
+    assert engine.scheduler.num_preemptions == 0  # nobody restarted
+    for i in range(len(PROMPTS)):
+        assert done[i].token_ids == fixed_outputs[i].token_ids, (i, PROMPTS[i])
+    assert engine.stats()["pages_used"] == 0
+
+
+@pytest.mark.parametrize("src,dst", [("dp", "dop"), ("tp", "dop"), ("tp", "cp"), ("dop", "dp")])
+def test_switches_that_move_no_cache_finish_within_one_step(engine, src, dst):
+    if engine.layout.name != src:
+        h = engine.switch_layout(src)
+        while not h.done:
+            engine.step()
+    for p in PROMPTS[:4]:
+        engine.add_request(p, SamplingParams(max_tokens=40))
+    for _ in range(6):
+        engine.step()
+    h = engine.switch_layout(dst)
+    engine.step()
+    assert h.state == SwitchState.DONE and h.pages_copied == 0, h.as_dict()
+    for rid in list(engine._requests):
+        engine.abort(rid)
+
+
+def _live_bytes(device):
+    gc.collect()
+    return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device == device and not a.is_deleted())
+
+
+@pytest.mark.parametrize("src,dst", [("dop", "dp"), ("dp", "tp"), ("cp", "dop")])
+def test_memory_returns_to_destination_steady_state(src, dst):
+    dev = jax.devices()[0]
+    kw = dict(KW, warmup=False)
+    before = _live_bytes(dev)
+    fresh = Engine(EngineConfig(layout=dst, **kw))
+    steady = _live_bytes(dev) - before
+    del fresh
+    switched = Engine(EngineConfig(layout=src, enable_switching=True, **kw))
+    switched.generate(PROMPTS[:3], SamplingParams(max_tokens=4))
+    h = switched.switch_layout(dst)
+    while not h.done:
+        switched.step()
+    assert h.state == SwitchState.DONE
+    # Same live device memory as an engine started in the destination layout: no leaked replicas.
+    assert _live_bytes(dev) - before == steady
+
+
+def test_refused_when_destination_cannot_hold_requests_then_preempt(engine):
+    if engine.layout.name != "dop":
+        h = engine.switch_layout("dop")
+        while not h.done:
+            engine.step()
+    long = "word " * 40
+    for _ in range(8):
+        engine.add_request(long, SamplingParams(max_tokens=40))
+    while engine.scheduler.waiting:
+        engine.step()
+    h = engine.switch_layout("tp")  # TP keeps a replica per device: 8 x ~130 tokens do not fit one device
+    assert h.state == SwitchState.REFUSED and "cannot hold" in h.reason
+    assert engine.layout.name == "dop"
+    h = engine.switch_layout("tp", preempt=True)
+    assert h.preempted and h.state != SwitchState.REFUSED
+    outs = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert len(outs) == 8 and all(len(o.token_ids) == 40 for o in outs.values())
+    assert engine.layout.name == "tp" and engine.stats()["pages_used"] == 0
+
+
+def test_cancel_midway_keeps_source_layout(engine):
+    if engine.layout.name != "dop":
+        h = engine.switch_layout("dop")
+        while not h.done:
+            engine.step()
+    free_before = [engine.allocator.num_free(d) for d in range(N)]
+    for p in PROMPTS[:4]:
+        engine.add_request(p, SamplingParams(max_tokens=30))
+    for _ in range(8):
+        engine.step()
+    h = engine.switch_layout("tp")  # broadcast: many pages to copy, one page per step
+    engine.step()
+    assert not h.done and 0 < h.pages_copied < h.pages_planned
+    h.cancel()
+    engine.step()
+    assert h.state == SwitchState.CANCELLED and engine.layout.name == "dop"
+    while engine.has_work():
+        engine.step()
+    assert [engine.allocator.num_free(d) for d in range(N)] == free_before
