@@ -12,9 +12,10 @@ same (out, lse) result).
               Not available on TPU (the kernel is written for the Triton backend).
 
 The choice is made in Python from static shapes and `jax.default_backend()`, so it works under
-`jit` and inside `jax.shard_map` (per-device shapes). Interpret mode inside `shard_map` needs
-`check_vma=False` on the shard_map: the interpreter's internal state ops carry no varying-axes
-annotation. The compiled GPU kernel has no such restriction.
+`jit` and inside `jax.shard_map` (per-device shapes). The compiled GPU kernel declares how its
+outputs vary, so it runs under `shard_map(check_vma=True)`; interpret mode (CPU) inside
+`shard_map` needs `check_vma=False`: the interpreter's internal slicing carries no
+varying-axes annotation and fails the check.
 """
 
 from __future__ import annotations

@@ -1,0 +1,228 @@
+"""The Pallas paged MLA decode kernel against the XLA reference.
+
+CPU: interpret mode at small shapes (both KV-load paths, split-K on and off, ragged lengths,
+a zero-length token, garbage page ids, NaN in never-written slots, jit and shard_map dispatch).
+GPU (skipped without one): real shapes, bf16 inputs, output memory poisoned beforehand.
+Inputs are fresh random draws on every run; the seed is in the failure message.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as Ps
+
+from pallas_kernels.mla_combine import combine_splits
+from pallas_kernels.mla_decode import paged_mla_decode
+from pallas_kernels.mla_decode_config import DecodeConfig, plan_splits
+from splash_jax.attention import dispatch
+from splash_jax.attention.paged_reference import merge_partial_attention, paged_mla_attention
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _problem(seed, T, H, L, R, P, S, M, lens, dtype=np.float32):
+    """Random inputs; page-table entries past each length are garbage (huge, negative, random)."""
+    rng = np.random.default_rng(seed)
+    lens = np.asarray(lens, np.int32)
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    q_lat, q_rope, latent, rope = f(T, H, L), f(T, H, R), f(P, S, L), f(P, S, R)
+    table = np.stack([rng.permutation(P)[:M] for _ in range(T)]).astype(np.int32)
+    for t, n in enumerate(lens):
+        used = -(-int(n) // S)
+        table[t, used:] = rng.choice([-(2**30), -1, P, P + 7, 2**30], M - used)
+    to = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return (to(q_lat), to(q_rope), to(latent), to(rope), jnp.asarray(table), jnp.asarray(lens))
+
+
+def _reference(q_lat, q_rope, latent, rope, table, lens, scale):
+    """The XLA path in float32, on a table with the garbage clamped (what it would read)."""
+    table = jnp.clip(table, 0, latent.shape[0] - 1)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return paged_mla_attention(f32(q_lat), f32(q_rope), f32(latent), f32(rope), table, lens, scale)
+
+
+def _assert_matches(got, want, seed, tol=2e-5):
+    out, lse = (np.asarray(x, np.float32) for x in got)
+    ref_out, ref_lse = (np.asarray(x, np.float32) for x in want)
+    assert np.isfinite(out).all(), f"seed {seed}: non-finite output"
+    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse), err_msg=f"seed {seed}")
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol, err_msg=f"seed {seed}")
+
+
+def _seed():
+    return int(np.random.SeedSequence().generate_state(1)[0])
+
+
+# (page size, config): one page per step / several gathered pages, split-K off / fixed / auto.
+CPU_CASES = [
+    (4, DecodeConfig(block_k=4, num_splits=1)),
+    (4, DecodeConfig(block_k=8, num_splits=3)),
+    (4, DecodeConfig(block_k=8, num_splits=3, combine="xla")),
+    (8, DecodeConfig(block_k=16, num_splits=0, min_pages_per_split=1)),
+    (8, DecodeConfig(block_k=4, num_splits=2)),  # a step is half a page
+]
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU path (GPU float32 dots use TF32)")
+@pytest.mark.parametrize("page_size,cfg", CPU_CASES)
+def test_interpret_matches_reference(page_size, cfg):
+    seed = _seed()
+    S, M = page_size, 7
+    lens = [1, S - 1, S, 3 * S + 1, 0, M * S, 2 * S + 3]
+    args = _problem(seed, T=7, H=3, L=32, R=16, P=40, S=S, M=M, lens=lens)
+    got = paged_mla_decode(*args, 0.3, config=cfg, interpret=True)
+    _assert_matches(got, _reference(*args, 0.3), seed)
+    assert np.all(np.asarray(got[0])[np.asarray(lens) == 0] == 0)
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU path (GPU float32 dots use TF32)")
+def test_never_written_slots_cannot_leak():
+    """NaN in slots past each length (own last page and garbage pages) must not reach the output."""
+    seed = _seed()
+    S, M, P = 4, 5, 16
+    lens = [1, 6, 17, 11]
+    q_lat, q_rope, latent, rope, table, kv_lens = _problem(seed, T=4, H=2, L=16, R=16, P=P, S=S, M=M, lens=lens)
+    want = _reference(q_lat, q_rope, latent, rope, table, kv_lens, 0.5)
+    lat, rp = np.array(latent), np.array(rope)
+    live = np.zeros((P, S), bool)
+    for t, n in enumerate(lens):
+        for i in range(n):
+            live[np.asarray(table)[t, i // S], i % S] = True
+    lat[~live], rp[~live] = np.nan, np.nan
+    for cfg in (DecodeConfig(block_k=4, num_splits=2), DecodeConfig(block_k=8, num_splits=1)):
+        got = paged_mla_decode(q_lat, q_rope, jnp.asarray(lat), jnp.asarray(rp), table, kv_lens, 0.5,
+                               config=cfg, interpret=True)
+        _assert_matches(got, want, seed)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_combine_matches_reference_merge(impl):
+    rng = np.random.default_rng(_seed())
+    o = jnp.asarray(rng.standard_normal((3, 5, 16, 256)), jnp.float32)  # two column blocks
+    lse = np.asarray(rng.standard_normal((3, 5, 16)), np.float32)
+    lse[0] = -np.inf  # a token with no KV at all
+    lse[1, 2] = -np.inf  # one empty split
+    got = combine_splits(o, jnp.asarray(lse), jnp.float32, impl=impl, interpret=not ON_GPU)
+    want = merge_partial_attention(jnp.moveaxis(o, 1, 0), jnp.moveaxis(jnp.asarray(lse), 1, 0))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
+    assert np.all(np.asarray(got[0])[0] == 0)
+
+
+def test_plan_splits_fills_the_grid_but_not_past_the_pages():
+    cfg = DecodeConfig()
+    assert plan_splits(cfg, tokens=1, head_blocks=1, num_pages=256, sms=132) == cfg.max_splits
+    assert plan_splits(cfg, tokens=1, head_blocks=1, num_pages=16, sms=132) == 4  # >= 4 pages each
+    assert plan_splits(cfg, tokens=128, head_blocks=2, num_pages=256, sms=132) == 1  # already full
+    assert plan_splits(cfg, tokens=64, head_blocks=1, num_pages=64, sms=132) == 4  # 2 programs per SM
+    assert plan_splits(cfg, tokens=128, head_blocks=1, num_pages=16, sms=132) == 2
+    assert plan_splits(cfg, tokens=300, head_blocks=1, num_pages=16, sms=132) == 1  # more than full
+    assert plan_splits(cfg.replace(num_splits=5), tokens=1, head_blocks=1, num_pages=3, sms=132) == 3
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU path")
+def test_empty_batch_and_lengths_past_the_table():
+    """No tokens at all; a length beyond the page table's capacity attends to the table only."""
+    seed = _seed()
+    args = _problem(seed, T=2, H=2, L=16, R=16, P=12, S=4, M=3, lens=[12, 5])
+    q_lat, q_rope, latent, rope, table, kv_lens = args
+    out, lse = paged_mla_decode(q_lat[:0], q_rope[:0], latent, rope, table[:0], kv_lens[:0], 0.5, interpret=True)
+    assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
+    got = paged_mla_decode(q_lat, q_rope, latent, rope, table, kv_lens.at[0].set(1000), 0.5,
+                           config=DecodeConfig(block_k=4, num_splits=2), interpret=True)
+    _assert_matches(got, _reference(*args, 0.5), seed)
+
+
+def test_dispatch_resolves_by_backend_and_flag():
+    assert dispatch.resolve_impl("auto") == ("pallas" if ON_GPU else "xla")
+    assert dispatch.resolve_impl("xla") == "xla"
+    assert dispatch.resolve_impl("pallas") == "pallas"
+    with pytest.raises(ValueError):
+        dispatch.resolve_impl("cuda")
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpret-mode dispatch is the CPU path")
+def test_dispatch_pallas_under_jit_and_shard_map():
+    """DP-style: tokens and pool pages sharded over 8 devices, each device its own local pool."""
+    seed = _seed()
+    n = len(jax.devices())
+    T, S, M, P = n, 4, 3, 6 * n
+    lens = np.random.default_rng(seed).integers(0, M * S + 1, T)
+    args = _problem(seed, T=T, H=2, L=16, R=16, P=P, S=S, M=M, lens=lens)
+    q_lat, q_rope, latent, rope, table, kv_lens = args
+    local_table = jnp.asarray(np.random.default_rng(seed).integers(0, P // n, (T, M)), jnp.int32)
+
+    mesh = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    row = Ps("d")
+
+    @jax.jit
+    def step(*a):
+        f = functools.partial(dispatch.paged_attention, scale=0.25, impl="pallas")
+        return jax.shard_map(lambda *b: f(*b), mesh=mesh, in_specs=(row,) * 6, out_specs=(row, row),
+                             check_vma=False)(*a)  # interpret mode needs it
+
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, row))  # noqa: E731
+    got = step(*map(put, (q_lat, q_rope, latent, rope, local_table, kv_lens)))
+    # Same thing by hand: device d sees pool pages [d*P/n, (d+1)*P/n) under local ids.
+    per = P // n
+    glob_table = local_table + (jnp.arange(T) * per)[:, None]
+    want = _reference(q_lat, q_rope, latent, rope, glob_table, kv_lens, 0.25)
+    _assert_matches(got, want, seed)
+    assert dispatch.resolve_impl("auto") == "xla"
+    xla = jax.jit(functools.partial(dispatch.paged_attention, scale=0.25, impl="auto"))(
+        q_lat, q_rope, latent, rope, glob_table, kv_lens)
+    _assert_matches(xla, want, seed)
+
+
+def test_compiled_kernel_traces_under_shard_map_with_check_vma():
+    """The GPU path declares how its outputs vary, so layouts may keep check_vma=True
+    (only tracing here: lowering needs a GPU)."""
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    sds = jax.ShapeDtypeStruct
+    T, H, L, R, P, S, M = n, 16, 512, 64, 8 * n, 64, 4
+    args = (sds((T, H, L), jnp.bfloat16), sds((T, H, R), jnp.bfloat16), sds((P, S, L), jnp.bfloat16),
+            sds((P, S, R), jnp.bfloat16), sds((T, M), jnp.int32), sds((T,), jnp.int32))
+    for cfg in (DecodeConfig(num_splits=1), DecodeConfig(num_splits=2)):
+        f = jax.shard_map(lambda *a, c=cfg: paged_mla_decode(*a, 0.1, config=c), mesh=mesh,
+                          in_specs=(Ps("d"),) * 6, out_specs=(Ps("d"), Ps("d")), check_vma=True)
+        jax.jit(f).trace(*args)
+
+
+def _poison_device_memory(nbytes: int):
+    """Fill freed device memory with NaN so an unwritten output element shows up as NaN."""
+    junk = jnp.full((nbytes // 4,), jnp.nan, jnp.float32)
+    junk.block_until_ready()
+    del junk
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_real_shapes_bf16(heads):
+    seed = _seed()
+    T, L, R, S, M = 9, 512, 64, 64, 40
+    lens = [1, 63, 64, 65, 0, 1000, M * S, 777, 2049]
+    args = _problem(seed, T=T, H=heads, L=L, R=R, P=2 * T * M, S=S, M=M, lens=lens, dtype=jnp.bfloat16)
+    want = _reference(*args, 0.07)
+    for cfg in (None, DecodeConfig(num_splits=1), DecodeConfig(num_splits=4, block_k=128)):
+        _poison_device_memory(T * heads * L * 4 * 8)
+        out, lse = paged_mla_decode(*args, 0.07, config=cfg)
+        assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+        o, r = np.asarray(out, np.float32), np.asarray(want[0])
+        assert np.isfinite(o).all(), f"seed {seed}: unwritten or NaN output with {cfg}"
+        rel = np.linalg.norm(o - r) / np.linalg.norm(r)
+        assert rel < 1e-2, f"seed {seed}, {cfg}: relative error {rel}"
+        lse_r = np.asarray(want[1])
+        fin = np.isfinite(lse_r)
+        np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), ~fin)
+        np.testing.assert_allclose(np.asarray(lse)[fin], lse_r[fin], rtol=1e-3, atol=1e-3)
+        assert np.all(o[np.asarray(lens) == 0] == 0)
