@@ -72,6 +72,7 @@ def main(argv=None):
     parser.add_argument("--attention-impl", default="auto")
     parser.add_argument("--kv-memory-gb", type=float, default=24.0)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--min-token-bucket", type=int, default=1, help="1: batch-1 decode runs a 1-token step")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -86,6 +87,7 @@ def main(argv=None):
         model=str(folder), load_format="dummy", dtype=args.dtype, attention_impl=args.attention_impl,
         page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=max(contexts) + 128,
         max_num_seqs=max(batches), max_num_batched_tokens=max(max(batches), 8), warmup=False,
+        min_token_bucket=args.min_token_bucket,
     ))
     cfg = engine.model_config
     rows = []

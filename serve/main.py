@@ -1,51 +1,61 @@
-"""`python -m serve.main`: the main job.
+"""`python -m serve.main`: the OpenAI-compatible HTTP server on a splash-jax engine.
 
-Until the HTTP server lands (issue 7) this runs a short offline generation on the bundled
-default model, so a fresh machine shows the whole path: config, weights, tokenizer, paged
-cache, prefill and decode.
+    python -m serve.main                                   # the bundled model on 127.0.0.1:8000
+    python -m serve.main --model /path/to/deepseek --port 8080 --served-model-name deepseek
+
+Every EngineConfig field is a flag too (--page-size, --max-num-seqs, ...). The engine loads the
+model and compiles every step bucket before the port opens, so /health answers once it can serve.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import time
 
-import jax
+import uvicorn
 
-from splash_jax.model import RuntimeOptions
-from splash_jax.paths import DEFAULT_MODEL
-from splash_jax.simple_generate import SingleRequestRunner
-from splash_jax.tokenizer import Tokenizer
-from splash_jax.weights.loader import load_model
+from serve.app import build_app
+from serve.config import ServerConfig
+from splash_jax.engine.async_engine import AsyncEngine
+from splash_jax.engine.config import EngineConfig
+from splash_jax.engine.engine import Engine
 
-log = logging.getLogger("serve.main")
+log = logging.getLogger("serve")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder")
-    parser.add_argument("--prompt", default="Latent attention lets a serving engine")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on accelerators, float32 on CPU) | float32 | bfloat16")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy", "orbax"])
+def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, EngineConfig]:
+    parser = argparse.ArgumentParser(
+        prog="python -m serve.main", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ServerConfig.add_cli_args(parser)
+    EngineConfig.add_cli_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return ServerConfig.from_cli_args(args), EngineConfig.from_cli_args(args)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
 
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    log.info("backend %s with %d device(s); dtype %s", jax.default_backend(), jax.device_count(), dtype)
-    t0 = time.perf_counter()
-    model = load_model(args.model, RuntimeOptions(dtype=dtype), load_format=args.load_format)
-    tok = Tokenizer(args.model)
-    log.info("loaded %s in %.1fs", args.model, time.perf_counter() - t0)
-    prompt = tok.encode(args.prompt, add_bos=True)
-    runner = SingleRequestRunner(model, page_size=64, max_len=len(prompt) + args.max_tokens + 1)
-    t0 = time.perf_counter()
-    ids = runner.greedy(prompt, args.max_tokens, eos_ids=(tok.eos_id,))
-    log.info("generated %d tokens in %.2fs (includes compilation)", len(ids), time.perf_counter() - t0)
-    log.info("prompt: %r", args.prompt)
-    log.info("output: %r", tok.decode(ids))
+
+def main(argv: list[str] | None = None) -> None:
+    server_config, engine_config = parse_args(argv)
+    setup_logging(server_config.log_level)
+    engine = AsyncEngine(Engine(engine_config))
+    app = build_app(engine, server_config)
+    names = ", ".join(app.state.ctx.served_model_names)
+    log.info("serving %s on http://%s:%d/v1 (max_model_len %d)", names, server_config.host, server_config.port, engine.max_model_len)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=server_config.host, port=server_config.port, log_config=None, log_level=server_config.log_level,
+        access_log=server_config.access_log, timeout_graceful_shutdown=server_config.graceful_shutdown_s,
+    ))
+    try:
+        server.run()  # returns after a graceful shutdown; on SIGINT uvicorn then re-raises KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.shutdown()  # already done by the app's lifespan unless start-up failed
+    log.info("server stopped")
 
 
 if __name__ == "__main__":

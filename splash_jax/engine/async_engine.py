@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from splash_jax.engine.engine import Engine
-from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingParams
+from splash_jax.engine.request import Request, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ class AsyncEngine:
         for request in command.requests:
             try:
                 self.engine.add_request(request)
-            except RequestError as e:
+            except Exception as e:  # noqa: BLE001 - RequestError (a duplicate id) or worse: this caller fails
                 for request_id in added:  # all or nothing: one caller, one answer
                     self.engine.abort(request_id)
                     self._streams.pop(request_id, None)
@@ -258,12 +258,13 @@ class AsyncEngine:
             self._deliver(stream, _aborted_output(request_id, stream.last.get(request_id)))
 
     def _step(self) -> None:
+        steps_before = self.engine.num_steps
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
             self.num_step_errors += 1
             log.exception("engine step failed; failing the requests in it")
-            waiting = {r.request_id for r in self.engine.scheduler.waiting}
+            waiting = {r.request_id for r in getattr(getattr(self.engine, "scheduler", None), "waiting", ())}
             error = EngineStepError(f"the engine step failed: {type(e).__name__}: {e}")
             failed: dict[_Stream, list[str]] = {}
             for request_id, stream in list(self._streams.items()):
@@ -286,6 +287,9 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             self._post(loop, items)
         self._refresh_stats()
+        if self.engine.num_steps == steps_before:  # work, but none schedulable now: don't spin
+            self._wake.wait(0.005)
+            self._wake.clear()
 
     def _deliver(self, stream: _Stream, item) -> None:
         self._post(stream.loop, [(stream, item)])

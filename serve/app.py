@@ -1,0 +1,71 @@
+"""The FastAPI application around an AsyncEngine (build it yourself to serve from a notebook:
+`uvicorn.run(build_app(AsyncEngine(engine), ServerConfig()))`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+import serve.routes
+from serve.config import ServerConfig
+from serve.context import ServerContext
+from serve.errors import error_body, install_error_handlers
+from serve.metrics import ServerMetrics
+from serve.outputs import TokenText
+from splash_jax.engine.async_engine import AsyncEngine
+from splash_jax.paths import DEFAULT_MODEL
+
+log = logging.getLogger(__name__)
+
+
+def model_folder(engine: AsyncEngine) -> Path:
+    return Path(engine.engine.config.model) if engine.engine.config.model else DEFAULT_MODEL
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None, shutdown_engine: bool = True) -> FastAPI:
+    """The app; when the server stops (after open requests had their grace period) it also stops
+    the engine loop, unless shutdown_engine is False (a notebook that keeps using the engine)."""
+    config = config or ServerConfig()
+    folder = model_folder(engine)
+    metrics = ServerMetrics(engine.stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if shutdown_engine:
+            log.info("stopping the engine")
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="splash-jax", summary="OpenAI-compatible server for MLA models in JAX", lifespan=lifespan)
+    app.state.ctx = ServerContext(
+        engine=engine,
+        metrics=metrics,
+        served_model_names=config.served_model_name or [folder.resolve().name],
+        model_root=str(folder),
+        token_text=TokenText(engine.tokenizer),
+    )
+    install_error_handlers(app, on_error=lambda status: metrics.errors.labels(str(status)).inc())
+    if config.api_key:
+        _require_api_key(app, config.api_key, metrics)
+    app.include_router(serve.routes.router)
+    return app
+
+
+def _require_api_key(app: FastAPI, key: str, metrics: ServerMetrics) -> None:
+    expected = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def check(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                metrics.errors.labels("401").inc()
+                body = error_body("missing or wrong API key (send 'Authorization: Bearer <key>')", 401, code="invalid_api_key")
+                return JSONResponse(body.model_dump(), status_code=401)
+        return await call_next(request)

@@ -1,0 +1,99 @@
+"""POST /v1/completions: text (or token-id) prompts, n choices each, streamed or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+
+from serve.context import SSE_DONE, ServerContext, sse, usage
+from serve.disconnect import SSEResponse, unless_disconnected
+from serve.errors import APIError
+from serve.outputs import ChoiceState, completion_logprobs
+from serve.params import check_completion, make_choices, sampling_params
+from serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from splash_jax.engine.request import Request
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """OpenAI's four prompt forms: a string, a list of strings, token ids, lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: HTTPRequest) -> Response:
+    check_completion(body)
+    model = ctx.resolve_model(body.model)
+    params = sampling_params(body, body.max_tokens, body.logprobs)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    requests: list[Request] = []
+    echo: list[str] = []
+    for p, prompt in enumerate(_prompts(body.prompt)):
+        requests += make_choices(ctx.engine, prompt, params, body.n, body.max_tokens, rid, p * body.n)
+        if body.echo:
+            text = prompt if isinstance(prompt, str) else ctx.engine.tokenizer.decode(prompt)
+            echo += [text] * body.n
+    states = {r.request_id: ChoiceState(i, tuple(params.stop)) for i, r in enumerate(requests)}
+    if body.stream:
+        return SSEResponse(_stream(ctx, body, model, rid, requests, states, echo))
+
+    finals = await unless_disconnected(raw, ctx.final_outputs(requests))
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    choices = []
+    for r in requests:
+        state, out = states[r.request_id], finals[r.request_id]
+        delta = state.advance(out)
+        choices.append(CompletionChoice(
+            index=state.index,
+            text=(echo[state.index] if echo else "") + delta.text,
+            logprobs=completion_logprobs(state, delta, ctx.token_text),
+            finish_reason=delta.finish_reason,
+            token_ids=delta.token_ids if body.return_token_ids else None,
+        ))
+    total = sum(len(o.token_ids) for o in finals.values())
+    return Response(
+        CompletionResponse(id=rid, model=model, choices=choices, usage=usage(requests, body.n, total)).model_dump_json(),
+        media_type="application/json",
+    )
+
+
+async def _stream(
+    ctx: ServerContext, body: CompletionRequest, model: str, rid: str, requests: list[Request],
+    states: dict[str, ChoiceState], echo: list[str],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    echoed: set[int] = set()
+    wants_tokens = body.logprobs is not None or body.return_token_ids
+    total = 0
+    try:
+        async for out in ctx.outputs(requests):
+            state = states[out.request_id]
+            delta = state.advance(out)
+            total += len(delta.token_ids)
+            text = delta.text
+            if echo and state.index not in echoed:
+                echoed.add(state.index)
+                text = echo[state.index] + text
+            if not text and delta.finish_reason is None and not (wants_tokens and delta.token_ids):
+                continue
+            choice = CompletionChoice(
+                index=state.index, text=text,
+                logprobs=completion_logprobs(state, delta, ctx.token_text),
+                finish_reason=delta.finish_reason,
+                token_ids=delta.token_ids if body.return_token_ids else None,
+            )
+            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage(requests, body.n, total)))
+    except Exception as e:  # noqa: BLE001 - the status line is sent; the error goes in the stream
+        yield ctx.sse_error(e)
+    yield SSE_DONE

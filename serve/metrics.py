@@ -1,0 +1,113 @@
+"""Prometheus metrics: per-request counters and latency histograms kept by the server, plus
+engine gauges read from the engine's stats snapshot at scrape time (never from the engine
+thread's live state, so a scrape never waits for a step)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from splash_jax.engine.request import Request, RequestOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class EngineStatsCollector(Collector):
+    """Engine gauges and counters from `AsyncEngine.stats()`."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        total = s.get("pages_total", 0)
+        yield _gauge("splash_num_requests_running", "Requests in the running batch", s.get("running", 0))
+        yield _gauge("splash_num_requests_waiting", "Requests waiting for admission", s.get("waiting", 0))
+        yield _gauge("splash_kv_cache_pages_used", "KV pages in use (all devices)", s.get("pages_used", 0))
+        yield _gauge("splash_kv_cache_pages_total", "KV pages (all devices)", total)
+        yield _gauge("splash_kv_cache_usage_ratio", "Fraction of KV pages in use", s.get("pages_used", 0) / total if total else 0.0)
+        yield _gauge("splash_kv_cache_capacity_tokens", "Tokens the KV pool holds", s.get("kv_capacity_tokens", 0))
+        yield _gauge("splash_generation_tokens_per_second", "Tokens generated per second (last 10 s)", s.get("generation_tokens_per_s", 0.0))
+        yield _gauge("splash_engine_alive", "1 while the engine loop runs", float(s.get("engine_alive", False)))
+        yield _counter("splash_engine_steps", "Engine steps run", s.get("num_steps", 0))
+        yield _counter("splash_engine_step_errors", "Engine steps that raised", s.get("step_errors", 0))
+        yield _counter("splash_num_preemptions", "Requests preempted (recomputed later)", s.get("num_preemptions", 0))
+        yield _counter("splash_layout_switches", "Attention layout switches completed", num_switches(s))
+        switch = s.get("switch") or {}
+        yield _gauge("splash_layout_switch_in_progress", "1 while a layout switch migrates", float(bool(switch)))
+        yield _gauge("splash_layout_switch_progress", "Fraction of the switch's pages copied", float(switch.get("progress", 0.0)))
+        layout = GaugeMetricFamily("splash_layout_info", "The current attention layout (value 1)", labels=["layout"])
+        layout.add_metric([str(s.get("layout", "unknown"))], 1.0)
+        yield layout
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict]):
+        disable_created_metrics()  # no *_created series: they double the output and nobody reads them
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("splash_requests", "Generation requests finished (one per choice)", ["finish_reason"], registry=r)
+        self.errors = Counter("splash_http_errors", "HTTP requests answered with an error", ["status"], registry=r)
+        self.prompt_tokens = Counter("splash_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("splash_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("splash_time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("splash_time_per_output_token_seconds", "Mean time per token after the first", buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("splash_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=r)
+        r.register(EngineStatsCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self, requests: Sequence[Request]) -> "RequestTracker":
+        return RequestTracker(self, requests)
+
+
+class RequestTracker:
+    """Counts one HTTP request's engine requests as their outputs pass by."""
+
+    def __init__(self, metrics: ServerMetrics, requests: Sequence[Request]):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self._tokens = {r.request_id: 0 for r in requests}
+        self._open = set(self._tokens)
+        metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
+
+    def observe(self, out: RequestOutput) -> None:
+        seen = self._tokens.get(out.request_id, 0)
+        if len(out.token_ids) > seen:
+            self.metrics.generation_tokens.inc(len(out.token_ids) - seen)
+            self._tokens[out.request_id] = len(out.token_ids)
+        if out.finished and out.request_id in self._open:
+            self._open.discard(out.request_id)
+            m = self.metrics
+            m.requests.labels(out.finish_reason or "unknown").inc()
+            if out.ttft is not None:
+                m.ttft.observe(out.ttft)
+            if out.tpot is not None:
+                m.tpot.observe(out.tpot)
+            m.e2e.observe(time.monotonic() - self.start)
+
+    def close(self) -> None:
+        """Requests that never finished (client gone, error) count as aborted."""
+        if self._open:
+            self.metrics.requests.labels("abort").inc(len(self._open))
+            self._open.clear()
+
+
+def num_switches(stats: dict) -> int:
+    """Completed layout switches, under the engine's key ("switches"; "num_switches" also read)."""
+    return int(stats.get("switches", stats.get("num_switches", 0)) or 0)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,231 @@
+"""OpenAI API request and response bodies (the subset splash-jax serves), as pydantic models.
+
+Request models check types only (a wrong type is a malformed body: 422); value checks live in
+`serve.params` and the engine, which answer 400 like OpenAI. Unknown fields are accepted and
+ignored, as OpenAI clients send new fields before servers know them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _omitted_if_none(default=None):
+    """A response field left out of the JSON when unset (extras and stream deltas)."""
+    return Field(default=default, exclude_if=lambda v: v is None)
+
+
+# --- errors ----------------------------------------------------------------------------
+class ErrorInfo(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorInfo
+
+
+# --- shared ----------------------------------------------------------------------------
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class UsageInfo(_Out):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class SamplingFields(_Body):
+    """Fields both endpoints share; extras (top_k, ignore_eos, ...) follow vLLM's names."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extras
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False  # add token ids to each choice (vLLM's name); used to check outputs
+
+
+# --- /v1/completions -------------------------------------------------------------------
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _omitted_if_none()
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# --- /v1/chat/completions --------------------------------------------------------------
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    add_generation_prompt: bool = True
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _omitted_if_none()
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+
+
+class ChatStreamChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _omitted_if_none()
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# --- models, layout, version -----------------------------------------------------------
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "splash-jax"
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class LayoutRequest(_Body):
+    layout: str
+    preempt: bool = False  # if the destination cannot hold every running request, recompute the newest later
+    wait: bool = False  # answer once the switch has finished (else at once, while it migrates)
+
+
+class LayoutInfo(_Out):
+    layout: str
+    num_switches: int
+    switching_available: bool
+    switch: dict[str, Any] | None = None  # the switch in progress, as the engine describes it
+
+
+class LayoutSwitchResponse(LayoutInfo):
+    result: dict[str, Any]  # this switch: state (migrating | done | cancelled | refused), progress, plan, ...
+
+
+class VersionInfo(_Out):
+    version: str
+    jax: str
+    backend: str
+    device_kind: str
+    num_devices: int

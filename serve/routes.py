@@ -1,0 +1,129 @@
+"""The HTTP routes; each hands off to the module that does the work."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import jax
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import splash_jax
+from serve.chat import create_chat_completion
+from serve.completions import create_completion
+from serve.context import ServerContext
+from serve.errors import APIError
+from serve.metrics import num_switches
+from serve.protocol import (
+    ChatCompletionRequest, CompletionRequest, LayoutInfo, LayoutRequest, LayoutSwitchResponse, ModelCard, ModelList,
+    VersionInfo,
+)
+
+router = APIRouter()
+
+
+def get_ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+@router.get("/health")
+async def health(ctx: ServerContext = Depends(get_ctx)) -> dict:
+    if not ctx.engine.is_running:
+        raise APIError("the engine is not running", 503)
+    return {"status": "ok"}
+
+
+@router.get("/version")
+async def version(ctx: ServerContext = Depends(get_ctx)) -> VersionInfo:
+    device = ctx.engine.engine.mesh.devices.flat[0]
+    return VersionInfo(
+        version=getattr(splash_jax, "__version__", "0.1.0"), jax=jax.__version__, backend=device.platform,
+        device_kind=device.device_kind, num_devices=ctx.engine.engine.mesh.devices.size,
+    )
+
+
+@router.get("/metrics")
+async def metrics(ctx: ServerContext = Depends(get_ctx)) -> Response:
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _card(ctx: ServerContext, name: str) -> ModelCard:
+    return ModelCard(id=name, root=ctx.model_root, max_model_len=ctx.engine.max_model_len)
+
+
+@router.get("/v1/models")
+async def list_models(ctx: ServerContext = Depends(get_ctx)) -> ModelList:
+    return ModelList(data=[_card(ctx, name) for name in ctx.served_model_names])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, ctx: ServerContext = Depends(get_ctx)) -> ModelCard:
+    return _card(ctx, ctx.resolve_model(model_id))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, raw: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
+    return await create_completion(ctx, body, raw)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, raw: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
+    return await create_chat_completion(ctx, body, raw)
+
+
+# --- attention layout ----------------------------------------------------------------------
+SWITCH_WAIT_S = 600.0  # `wait: true` answers after this long at most (the switch carries on)
+
+
+def _switching_available(ctx: ServerContext) -> bool:
+    engine = ctx.engine.engine
+    enabled = getattr(getattr(engine, "config", None), "enable_switching", True)
+    return bool(enabled) and callable(getattr(engine, "switch_layout", None))
+
+
+async def _layout_info(ctx: ServerContext) -> LayoutInfo:
+    stats = await ctx.engine.run_on_engine(lambda engine: engine.stats())  # fresh, not the snapshot
+    return LayoutInfo(
+        layout=str(stats.get("layout", "unknown")), num_switches=num_switches(stats),
+        switching_available=_switching_available(ctx), switch=stats.get("switch"),
+    )
+
+
+def _describe(handle) -> dict:
+    return handle.as_dict() if hasattr(handle, "as_dict") else {"state": "done"}
+
+
+@router.get("/v1/layout")
+async def get_layout(ctx: ServerContext = Depends(get_ctx)) -> LayoutInfo:
+    return await _layout_info(ctx)
+
+
+@router.post("/v1/layout")
+async def set_layout(body: LayoutRequest, ctx: ServerContext = Depends(get_ctx)) -> LayoutSwitchResponse:
+    """Start a live switch of the attention layout: the engine migrates between steps while
+    requests keep running, and hands off at a batch boundary. 409 if the engine refuses it now."""
+    if not _switching_available(ctx):
+        current = (await _layout_info(ctx)).layout
+        raise APIError(
+            f"layout switching is not available in this server (the current layout is {current!r}; "
+            "start it with --enable-switching, in a build whose engine can switch)",
+            501, param="layout", code="layout_switching_unavailable",
+        )
+
+    def start(engine):
+        return engine.switch_layout(body.layout, preempt=True) if body.preempt else engine.switch_layout(body.layout)
+
+    try:
+        handle = await ctx.engine.run_on_engine(start)
+    except ValueError as e:  # unknown layout, or one this mesh cannot run
+        raise APIError(str(e), 400, param="layout") from e
+    deadline = time.monotonic() + SWITCH_WAIT_S
+    while body.wait and not getattr(handle, "done", True) and ctx.engine.is_running and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)  # the engine thread advances it between steps
+    result = _describe(handle)
+    if result.get("state") == "refused":
+        raise APIError(f"the switch to {body.layout!r} was refused: {result.get('reason')}", 409,
+                       param="layout", code="layout_switch_refused")
+    return LayoutSwitchResponse(**(await _layout_info(ctx)).model_dump(), result=result)
