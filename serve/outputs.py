@@ -9,28 +9,13 @@ equals the final (non-streamed) text.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from serve.protocol import ChatLogprobs, ChatLogprobToken, CompletionLogprobs, TopLogprob
 from splash_jax.engine.request import RequestOutput
+from splash_jax.engine.stop import stop_prefix_len
 from splash_jax.tokenizer import Tokenizer
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in character for each byte: how byte-level BPE vocabularies spell tokens."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-_BYTE_LEVEL = _byte_level_alphabet()
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte tokens
 
 
 class TokenText:
@@ -67,26 +52,7 @@ class TokenText:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
     def _raw_bytes(self, token_id: int) -> bytes | None:
-        backend = getattr(self._tokenizer, "_tok", None)  # the HF tokenizers object
-        piece = backend.id_to_token(token_id) if backend is not None else None
-        if not piece:
-            return None
-        if match := _BYTE_FALLBACK.fullmatch(piece):
-            return bytes([int(match.group(1), 16)])
-        if all(ch in _BYTE_LEVEL for ch in piece):
-            return bytes(_BYTE_LEVEL[ch] for ch in piece)
-        return None
-
-
-def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
+        return self._tokenizer.token_bytes(token_id)
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ detokenization for streaming that never emits half of a multi-byte character.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jinja2
@@ -17,6 +18,23 @@ DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte: how byte-level BPE vocabularies spell tokens."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte tokens
 
 
 class Tokenizer:
@@ -47,6 +65,17 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes a token stands for (byte-level BPE or SentencePiece byte tokens), if knowable."""
+        piece = self._tok.id_to_token(token_id)
+        if not piece:
+            return None
+        if match := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        if all(ch in _BYTE_LEVEL for ch in piece):
+            return bytes(_BYTE_LEVEL[ch] for ch in piece)
+        return None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self._template.render(

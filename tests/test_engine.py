@@ -150,3 +150,21 @@ def test_stop_strings_eos_and_abort(engine, reference):
     rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=50))
     engine.step()
     assert engine.abort(rid) and not engine.has_work() and engine.stats()["pages_used"] == 0
+
+
+def test_stream_deltas_concatenate_to_text_and_never_show_a_stop_prefix(engine):
+    full = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=12))[0].text
+    stop = full[5:8]
+    rid = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=12, stop=[stop]))
+    deltas, final = [], None
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas.append(out.delta_text)
+                final = out
+    assert "".join(deltas) == final.text == full[: full.find(stop)]
+    # What a client has shown at any moment is a prefix of the final text: nothing is taken back.
+    shown = ""
+    for d in deltas:
+        shown += d
+        assert final.text.startswith(shown)

@@ -26,6 +26,7 @@ from splash_jax.engine.executor import StepExecutor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingParams, Status
 from splash_jax.engine.sampler import SamplingInputs
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
+from splash_jax.engine.stop import find_stop, stop_prefix_len
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.capacity import (
     bytes_per_page,
@@ -270,10 +271,9 @@ class Engine:
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             reason = "stop"
         elif decoder and p.stop:
-            hit = _find_stop(decoder.text, p.stop, len(delta))
+            hit = find_stop(decoder.text, p.stop, len(delta))
             if hit is not None:
                 cut, request.stop_text = hit
-                delta = delta[: max(0, len(delta) - (len(decoder.text) - cut))]
                 decoder.text = decoder.text[:cut]
                 reason = "stop"
         if reason is None and (len(request.output_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len):
@@ -284,7 +284,12 @@ class Engine:
             self.scheduler.remove(request)
             self._requests.pop(request.request_id, None)
             self._decoders.pop(request.request_id, None)
-        return self._output(request, delta, [token], decoder.text if decoder else "")
+        text = decoder.text if decoder else ""
+        # Hold back a tail that may still grow into a stop string, so deltas never show part of one.
+        visible = len(text) if reason is not None else len(text) - stop_prefix_len(text, p.stop)
+        delta = text[request.text_sent : visible] if visible > request.text_sent else ""
+        request.text_sent = max(request.text_sent, visible)
+        return self._output(request, delta, [token], text)
 
     def _output(self, request: Request, delta: str, delta_ids: list[int], text: str) -> RequestOutput:
         finished = request.status == Status.FINISHED
@@ -359,14 +364,3 @@ class Engine:
             "switches": len([h for h in self.switcher.history if h.state.value == "done"]) if self.switcher else 0,
             "num_devices": self.n,
         }
-
-
-def _find_stop(text: str, stops: list[str], delta_len: int) -> tuple[int, str] | None:
-    """Earliest stop string that ends inside the newest delta: (cut position, the stop string)."""
-    best = None
-    window_start = max(0, len(text) - delta_len - max(len(s) for s in stops))
-    for s in stops:
-        idx = text.find(s, window_start)
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, s)
-    return best

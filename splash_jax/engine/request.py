@@ -86,6 +86,7 @@ class Request:
     owner: int = 0  # device holding its pages under owner layouts (dp, dop)
     finish_reason: str | None = None
     stop_text: str | None = None  # the stop string that ended it
+    text_sent: int = 0  # characters of the output text already returned as deltas
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.monotonic()))
     order: int = 0  # admission order (for preemption choice)
 
