@@ -15,7 +15,7 @@ import argparse
 import logging
 import time
 
-from benchmarks.common import RESULTS, machine_tag, table, write_results
+from benchmarks.common import machine_tag, table, write_results
 from benchmarks.harness import clear, inject_decoding
 from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, EngineConfig

@@ -7,6 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+LATENT_NORM_EPS = 1e-6  # q_a / kv_a norms use DeepSeek's default eps, not config.rms_norm_eps
+
+
 def init_param(rngs: nnx.Rngs | None, shape, dtype, std=0.02, ones=False) -> nnx.Param:
     if ones:
         return nnx.Param(jnp.ones(shape, dtype))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -20,11 +19,10 @@ from splash_jax.attention import dispatch
 from splash_jax.attention.naive import naive_mla_attention
 from splash_jax.kv.cache import KVCache, StepInput, write_kv
 from splash_jax.model_config import ModelConfig
-from splash_jax.layers import MLP, RMSNorm, init_param, rms_norm
+from splash_jax.layers import LATENT_NORM_EPS, MLP, RMSNorm, init_param, rms_norm
 from splash_jax.moe import MoE
 from splash_jax.rope import apply_rope, inverse_frequencies
 
-LATENT_NORM_EPS = 1e-6  # q_a / kv_a norms use DeepSeek's default eps, not config.rms_norm_eps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,6 @@ switches finish within a step, memory returns to the destination's steady state,
 preemption and cancellation leave the engine consistent."""
 
 import gc
-import itertools
 
 import jax
 import numpy as np

@@ -22,11 +22,9 @@ import jax.numpy as jnp
 
 from splash_jax.attention import dispatch
 from splash_jax.attention.paged_reference import merge_partial_attention
-from splash_jax.layers import rms_norm
+from splash_jax.layers import LATENT_NORM_EPS, rms_norm
 from splash_jax.mesh.layouts import AXIS, Layout
 from splash_jax.rope import apply_rope
-
-LATENT_NORM_EPS = 1e-6
 
 
 class ShardedContext:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import numpy as np
 
 from splash_jax.model_config import ModelConfig
@@ -40,10 +39,6 @@ def pages_per_device(cfg: ModelConfig, page_size: int, dtype, budget_bytes: int,
             f"{bytes_per_page(cfg, page_size, dtype) / 2**20:.2f} MiB; raise --kv-memory-gb"
         )
     return int(n)
-
-
-def device_of_mesh(mesh: jax.sharding.Mesh):
-    return mesh.devices.flat[0]
 
 
 def head_sharded_weight_bytes(model_or_abstract_state) -> int:

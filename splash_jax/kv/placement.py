@@ -20,20 +20,15 @@ from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import Layout
 
 
-def pages_held(kv_placement: str, n: int, num_tokens: int, page_size: int) -> list[int]:
-    """Pages each device must hold for a request of `num_tokens` tokens."""
-    g = pages_for_tokens(num_tokens, page_size)
-    if kv_placement == "replicated":
-        return [g] * n
-    if kv_placement == "striped":
-        return [len(range(d, g, n)) for d in range(n)]
-    return [g] + [0] * (n - 1)  # owner: relative to the owner; callers rotate to the owner
-
-
 def pages_needed(kv_placement: str, n: int, owner: int, device_pages: list[list[int]], upto: int, page_size: int) -> list[int]:
-    held = pages_held(kv_placement, n, upto, page_size)
-    if kv_placement == "owner":
-        held = [held[0] if d == owner else 0 for d in range(n)]
+    """New pages each device needs so a request can hold `upto` tokens under the placement."""
+    g = pages_for_tokens(upto, page_size)
+    if kv_placement == "replicated":
+        held = [g] * n
+    elif kv_placement == "striped":
+        held = [len(range(d, g, n)) for d in range(n)]
+    else:
+        held = [g if d == owner else 0 for d in range(n)]
     return [max(0, h - len(p)) for h, p in zip(held, device_pages)]
 
 
