@@ -79,7 +79,10 @@ def test_random_switch_schedules_keep_outputs_identical(engine, fixed_outputs):
     assert engine.scheduler.num_preemptions == 0  # nobody restarted
     for i in range(len(PROMPTS)):
         assert done[i].token_ids == fixed_outputs[i].token_ids, (i, PROMPTS[i])
-    assert engine.stats()["pages_used"] == 0
+    stats = engine.stats()
+    assert stats["pages_used"] == 0 and stats["switch"] is None
+    m = stats["switch_metrics"]
+    assert m["count"] >= 20 and m["bytes_moved"] == sum(h.bytes_moved for h in handles) > 0
 
 
 @pytest.mark.parametrize("src,dst", [("dp", "dop"), ("tp", "dop"), ("tp", "cp"), ("dop", "dp")])

@@ -362,5 +362,6 @@ class Engine:
             "layout": self.layout.name,
             "switch": self.switcher.active[0].as_dict() if self.switcher and self.switcher.active else None,
             "switches": len([h for h in self.switcher.history if h.state.value == "done"]) if self.switcher else 0,
+            "switch_metrics": self.switcher.metrics() if self.switcher else None,
             "num_devices": self.n,
         }

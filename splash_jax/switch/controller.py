@@ -184,6 +184,19 @@ class SwitchController:
         log.info("switch %s -> %s started: %s", src.name, dst.name, handle.plan)
         return handle
 
+    def metrics(self) -> dict:
+        """Totals over finished switches, and the last one."""
+        done = [h for h in self.history if h.state == SwitchState.DONE]
+        return {
+            "count": len(done),
+            "refused": sum(h.state == SwitchState.REFUSED for h in self.history),
+            "cancelled": sum(h.state == SwitchState.CANCELLED for h in self.history),
+            "bytes_moved": sum(h.bytes_moved for h in done),
+            "duration_s": sum(h.duration_s or 0.0 for h in done),
+            "steps_overlapped": sum(h.steps_overlapped for h in done),
+            "last": self.history[-1].as_dict() if self.history else None,
+        }
+
     # --- driven by engine.step() -----------------------------------------------------------------
     def before_step(self) -> None:
         """At the batch boundary: cancel, or hand off once the background copies are done."""
