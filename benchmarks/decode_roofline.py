@@ -113,11 +113,14 @@ def main(argv=None):
             jax.block_until_ready((out, engine.executor.kv))
             device_s = (time.perf_counter() - t) / args.steps
             clear(engine, reqs)
+            hlo = engine.executor._compiled[(engine.layout.name, bucket)].as_text()
+            pool_shape = ",".join(map(str, engine.executor.kv.latent[0].shape))
+            pool_copies = sum(1 for line in hlo.splitlines() if f"[{pool_shape}]" in line and (" copy(" in line or "copy-start(" in line))
             ideal_w, dense_w = weight_bytes(engine.model, b)
             kv_bytes = b * (ctx + args.steps) * cfg.latent_dim * 2 * cfg.num_layers
             row = {
                 "batch": b, "context": ctx, "bucket": bucket.tokens,
-                "engine_ms": engine_s * 1e3, "device_ms": device_s * 1e3,
+                "engine_ms": engine_s * 1e3, "device_ms": device_s * 1e3, "pool_copies_in_hlo": pool_copies,
                 "host_share": max(0.0, 1 - device_s / engine_s),
                 "tokens_per_s": b / engine_s,
                 "roofline_ms": (ideal_w + kv_bytes) / bw * 1e3,
@@ -126,7 +129,7 @@ def main(argv=None):
             row["x_roofline"] = row["engine_ms"] / row["roofline_ms"]
             rows.append(row)
             log.info("%s", row)
-    cols = ["batch", "context", "engine_ms", "device_ms", "host_share", "tokens_per_s", "roofline_ms", "dense_ms", "x_roofline"]
+    cols = ["batch", "context", "pool_copies_in_hlo", "engine_ms", "device_ms", "host_share", "tokens_per_s", "roofline_ms", "dense_ms", "x_roofline"]
     print(table(rows, cols))
     write_results("decode_roofline", {
         "args": vars(args), "copy_bandwidth_GBps": bw / 1e9, "attention_impl": args.attention_impl,

@@ -3,8 +3,8 @@
 Experts are stacked [E, ...] so one sharding rule ("shard the expert axis") places them.
 Experts may be sharded over devices (each holds a contiguous range); ids outside the local
 range get weight 0 and the caller sums the partial results.
-Two exact expert paths, picked statically by the step's token count: with few tokens
-(tokens * top_k < experts) only the chosen experts' weights are gathered and read; otherwise
+Two exact expert paths, picked statically by the step's token count: with very few tokens
+(4 * tokens * top_k <= experts) only the chosen experts' weights are gathered and read; otherwise
 every expert runs over every token with a sparse combine weight, which is what a
 weight-read-bound step pays anyway once the batch touches most experts.
 """
@@ -51,8 +51,10 @@ class MoE(nnx.Module):
         self.router = init_param(rngs, (d, e), jnp.float32, std=d ** -0.5)
         if cfg.topk_method == "noaux_tc":
             self.router_bias = init_param(rngs, (e,), jnp.float32, std=0.0)
-        self.experts_gate = init_param(rngs, (e, d, i), dtype)
-        self.experts_up = init_param(rngs, (e, d, i), dtype)
+        # All three [E, I, D] (gate/up as HF's [out, in]): on GPU the dense path then needs no
+        # per-step relayout of the expert tensors (benchmarks/moe_paths.py measured 2x).
+        self.experts_gate = init_param(rngs, (e, i, d), dtype)
+        self.experts_up = init_param(rngs, (e, i, d), dtype)
         self.experts_down = init_param(rngs, (e, i, d), dtype)
         if cfg.n_shared_experts:
             self.shared = MLP(d, i * cfg.n_shared_experts, dtype, rngs)
@@ -69,7 +71,7 @@ class MoE(nnx.Module):
         local = ids - offset
         weights = jnp.where((local >= 0) & (local < num_local), weights, 0.0)
         local = jnp.clip(local, 0, num_local - 1)
-        if x.shape[0] * cfg.num_experts_per_tok < num_local:
+        if 4 * x.shape[0] * cfg.num_experts_per_tok <= num_local:
             out = self._gathered(x, local, weights)
         else:
             out = self._dense(x, local, weights)
@@ -80,7 +82,7 @@ class MoE(nnx.Module):
     def _gathered(self, x, ids, weights):
         """Few tokens: read only the chosen experts' weights (decode at small batch is weight-read bound)."""
         gate, up, down = self.experts_gate[...][ids], self.experts_up[...][ids], self.experts_down[...][ids]
-        h = jax.nn.silu(jnp.einsum("td,tkdi->tki", x, gate)) * jnp.einsum("td,tkdi->tki", x, up)
+        h = jax.nn.silu(jnp.einsum("td,tkid->tki", x, gate)) * jnp.einsum("td,tkid->tki", x, up)
         h = h * weights.astype(h.dtype)[..., None]
         return jnp.einsum("tki,tkid->td", h, down)
 
@@ -88,7 +90,7 @@ class MoE(nnx.Module):
         """Many tokens: every expert over every token with a sparse combine weight (exact)."""
         combine = jnp.zeros((x.shape[0], self.experts_gate.shape[0]), jnp.float32)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-        h = jax.nn.silu(jnp.einsum("td,edi->tei", x, self.experts_gate[...]))
-        h = h * jnp.einsum("td,edi->tei", x, self.experts_up[...])
+        h = jax.nn.silu(jnp.einsum("td,eid->tei", x, self.experts_gate[...]))
+        h = h * jnp.einsum("td,eid->tei", x, self.experts_up[...])
         h = h * combine.astype(h.dtype)[..., None]
         return jnp.einsum("tei,eid->td", h, self.experts_down[...])

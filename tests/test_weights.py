@@ -46,7 +46,7 @@ def test_load_places_each_tensor_on_its_sharding():
     experts = sharded.layers[1].mlp.experts_gate[...]
     assert experts.sharding.spec == P("x")
     # Each device holds only its 2 of the 8 experts.
-    assert {s.data.shape for s in experts.addressable_shards} == {(2, 64, 32)}
+    assert {s.data.shape for s in experts.addressable_shards} == {(2, 32, 64)}  # [E, I, D]
     a, b = _params(sharded), _params(single)
     assert a.keys() == b.keys()
     for k in a:

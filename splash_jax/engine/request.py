@@ -70,7 +70,7 @@ class RequestMetrics:
         return (self.finished - self.first_token) / (num_tokens - 1)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity semantics: queues test membership by object, not by field values
 class Request:
     request_id: str
     prompt_ids: list[int]
@@ -90,9 +90,14 @@ class Request:
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.monotonic()))
     order: int = 0  # admission order (for preemption choice)
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output without concatenating the whole sequence."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
 
     @property
     def num_tokens(self) -> int:

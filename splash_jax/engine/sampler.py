@@ -42,13 +42,9 @@ class SampleOutput:
     top_logprobs: jax.Array  # [N, MAX_LOGPROBS] float32
 
 
-def sample(logits: jax.Array, s: SamplingInputs) -> SampleOutput:
-    logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+def _filtered(scaled: jax.Array, s: SamplingInputs) -> jax.Array:
+    """Mask everything outside each row's top-k and top-p set (one sort of the vocabulary)."""
+    vocab = scaled.shape[-1]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
     # top-k: drop everything below the k-th largest value.
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
@@ -58,15 +54,29 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SampleOutput:
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep_sorted = mass_before < s.top_p[:, None]
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    threshold = jnp.maximum(kth, cutoff)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    return jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
+
+
+def _draw(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    needs_filter = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
+    masked = jax.lax.cond(needs_filter, _filtered, lambda x, _: x, scaled, s)
 
     def draw(seed, step, row):
         key = jax.random.fold_in(jax.random.key(seed), step)
         return jax.random.categorical(key, row)
 
-    sampled = jax.vmap(draw)(s.seed, s.step, masked).astype(jnp.int32)
+    return jax.vmap(draw)(s.seed, s.step, masked).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, s: SamplingInputs) -> SampleOutput:
+    """Greedy rows take the argmax; the vocabulary sort and the random draw run only when some row
+    of the batch needs them (lax.cond executes one branch on the device)."""
+    logits = logits.astype(jnp.float32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = jax.lax.cond(jnp.any(s.temperature > 0), _draw, lambda l, _: greedy, logits, s)
     tokens = jnp.where(s.temperature > 0, sampled, greedy)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, vocab))
+    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)

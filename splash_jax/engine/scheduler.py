@@ -37,7 +37,7 @@ class ScheduledChunk:
 
     @property
     def tokens(self) -> list[int]:
-        return self.request.all_ids[self.start : self.start + self.num_tokens]
+        return self.request.token_slice(self.start, self.start + self.num_tokens)
 
 
 class Scheduler:

@@ -53,55 +53,89 @@ def build_layout_step(
     Every device's view of a request is its list of pages in position order, split by pool
     segment. Within a segment positions increase with the list, so the cached positions a
     token may attend there are a prefix whose length is the segment's kv_len for that token.
+    Vectorized over chunks and tokens: the only Python loops are over chunks (a few integer
+    operations each) and devices.
     """
     n, page_size = allocator.num_devices, allocator.page_size
     segments = 2 if allocator.extra_per_device else 1
     sentinel = allocator.pages_per_device + allocator.extra_per_device  # beyond either segment: dropped
-    owner_rows = layout.owner_rows
-    tq = tokens_bucket
+    owner_rows, tq = layout.owner_rows, tokens_bucket
+    num = len(chunks)
+    lengths = np.fromiter((len(c.tokens) for c in chunks), np.int64, num)
+    starts = np.fromiter((c.start for c in chunks), np.int64, num)
+    owners = np.fromiter((c.owner for c in chunks), np.int64, num)
+    # Where each chunk's tokens go: a slot range in the step, and a row in its device's page table.
+    if owner_rows:
+        rows, slot_in_dev = np.zeros(num, np.int64), np.zeros(num, np.int64)
+        fill, count = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        for i in range(num):
+            d = owners[i]
+            rows[i], slot_in_dev[i] = count[d], fill[d]
+            count[d] += 1
+            fill[d] += lengths[i]
+        if (fill > tq).any() or (count > requests_bucket).any():
+            raise ValueError(f"a device overflows its bucket ({tq} tokens, {requests_bucket} requests)")
+        base = owners * tq + slot_in_dev
+    else:
+        if lengths.sum() > tq or num > requests_bucket:
+            raise ValueError(f"step overflows its bucket ({tq} tokens, {requests_bucket} requests)")
+        rows = np.arange(num)
+        slot_in_dev = base = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    chunk_of = np.repeat(np.arange(num), lengths)  # per token
+    offset = np.arange(lengths.sum()) - np.repeat(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    pos = starts[chunk_of] + offset
+    slots = base[chunk_of] + offset  # index in the step's token array
+    local_slots = slot_in_dev[chunk_of] + offset  # index in a device's query rows
+
     total_tokens = n * tq if owner_rows else tq
-    rows_total = n * requests_bucket if owner_rows else requests_bucket
     tokens = np.zeros(total_tokens, np.int32)
     positions = np.zeros(total_tokens, np.int32)
+    if num:
+        tokens[slots] = np.concatenate([np.asarray(c.tokens, np.int32) for c in chunks])
+        positions[slots] = pos
+    logits_index = np.zeros(n * requests_bucket if owner_rows else requests_bucket, np.int32)
+    logits_index[:num] = base + lengths - 1
+
     token_request = np.zeros((n, tq), np.int32)
     kv_lens = np.zeros((n, segments, tq), np.int32)
     write_page = np.full((n, segments, tq), sentinel, np.int32)
     write_offset = np.zeros((n, tq), np.int32)
     page_table = np.zeros((n, segments, requests_bucket, pages_bucket), np.int32)
-    logits_index = np.zeros(rows_total, np.int32)
-
-    fill, req_rows, slot = [0] * n, [0] * n, 0
-    for ci, c in enumerate(chunks):
-        m = len(c.tokens)
-        pos = c.start + np.arange(m, dtype=np.int64)
-        if owner_rows:
-            d = c.owner
-            if fill[d] + m > tq or req_rows[d] >= requests_bucket:
-                raise ValueError(f"device {d} overflows its bucket ({tq} tokens, {requests_bucket} requests)")
-            devices, base, row, local_slots = [d], d * tq + fill[d], req_rows[d], slice(fill[d], fill[d] + m)
-            fill[d] += m
-            req_rows[d] += 1
+    for d in range(n):
+        mine = owners == d if owner_rows else np.ones(num, bool)
+        if not mine.any():
+            continue
+        ids = np.nonzero(mine)[0]
+        lists = [chunks[i].device_pages[d] for i in ids]
+        width = max(1, max(len(x) for x in lists))
+        table = np.full((len(ids), width), -1, np.int64)
+        for j, pages in enumerate(lists):
+            table[j, : len(pages)] = pages
+        valid = table >= 0
+        _, seg, local = allocator.locate(np.where(valid, table, 0))
+        k = np.arange(width)
+        first = ((d + k * n) if layout.kv_placement == "striped" else k) * page_size  # first position of list entry k
+        tok = np.nonzero(mine[chunk_of])[0]  # this device's tokens
+        row_of = np.searchsorted(ids, chunk_of[tok])  # their row in `table`
+        tslot, tpos = local_slots[tok], pos[tok]
+        token_request[d, tslot] = rows[chunk_of[tok]]
+        write_offset[d, tslot] = tpos % page_size
+        covered = np.clip(tpos[:, None] + 1 - first[None, :], 0, page_size) * valid[row_of]  # [tokens, width]
+        page_index = tpos // page_size
+        if layout.kv_placement == "striped":
+            held = page_index % n == d
+            entry = np.where(held, page_index // n, 0)
         else:
-            if slot + m > tq or ci >= requests_bucket:
-                raise ValueError(f"step overflows its bucket ({tq} tokens, {requests_bucket} requests)")
-            devices, base, row, local_slots = range(n), slot, ci, slice(slot, slot + m)
-            slot += m
-        for d in devices:
-            pages = c.device_pages[d]
-            _, seg, local = allocator.locate(pages)
-            k = np.arange(len(pages))
-            first = ((d + k * n) if layout.kv_placement == "striped" else k) * page_size  # first position per page
-            token_request[d, local_slots] = row
-            write_offset[d, local_slots] = pos % page_size
-            holder = (pos[:, None] >= first[None, :]) & (pos[:, None] < first[None, :] + page_size)  # [m, pages]
-            for g in range(segments):
-                in_g = seg == g
-                table = local[in_g]
-                page_table[d, g, row, : len(table)] = table
-                kv_lens[d, g, local_slots] = np.clip(pos[:, None] + 1 - first[in_g][None, :], 0, page_size).sum(-1)
-                hit = holder & in_g[None, :]
-                write_page[d, g, local_slots] = np.where(hit.any(-1), (hit * local[None, :]).sum(-1), sentinel)
-        tokens[base : base + m] = np.asarray(c.tokens, np.int32)
-        positions[base : base + m] = pos
-        logits_index[ci] = base + m - 1
+            held, entry = np.ones(len(tok), bool), page_index
+        entry = np.minimum(entry, width - 1)
+        for g in range(segments):
+            in_g = valid & (seg == g)
+            kv_lens[d, g, tslot] = (covered * in_g[row_of]).sum(-1)
+            hit = held & in_g[row_of, entry]
+            write_page[d, g, tslot] = np.where(hit, local[row_of, entry], sentinel)
+            # Compact this segment's entries to the front of each row, keeping position order.
+            order = np.argsort(~in_g, axis=1, kind="stable")
+            compact = np.where(np.take_along_axis(in_g, order, 1), np.take_along_axis(local, order, 1), 0)
+            m = min(width, pages_bucket)
+            page_table[d, g, rows[ids], :m] = compact[:, :m]
     return StepInput(tokens, positions, token_request, write_page, write_offset, kv_lens, page_table, logits_index)

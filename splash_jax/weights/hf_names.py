@@ -90,11 +90,13 @@ def param_sources(cfg: ModelConfig) -> dict[Path, ParamSource]:
 
 
 def _experts(prefix: str, proj: str, shape: tuple[int, int], num_experts: int) -> ParamSource:
-    """Experts saved one per expert ([out, in] each), stacked here as [E, in, out]."""
+    """Experts saved one per expert ([out, in] each), stacked as [E, I, D]: gate/up keep HF's
+    [out, in] = [I, D]; down ([D, I] in HF) is transposed to [I, D]."""
     names = [f"{prefix}experts.{e}.{proj}.weight" for e in range(num_experts)]
+    transpose = proj == "down_proj"
 
     def build(read, experts: slice):
         ids = range(num_experts)[experts]
-        return np.stack([read(names[e]).T for e in ids])
+        return np.stack([read(names[e]).T if transpose else read(names[e]) for e in ids])
 
     return ParamSource(names, [shape] * num_experts, build, per_expert=True)
