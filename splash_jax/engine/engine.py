@@ -116,14 +116,13 @@ class Engine:
             (config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
             self.pages_per_request, config.attention_impl, extra_pages_total=self.n * self.extra_pages,
         )
+        if config.warmup:  # with switching, every layout's steps: a switch must never compile
+            self.executor.compile_all([get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else None)
         self.switcher = None
         if config.enable_switching:
             from splash_jax.switch.controller import SwitchController
 
-            self.executor.compile_all([get_layout(n) for n in LAYOUT_NAMES] if config.warmup else None)
-            self.switcher = SwitchController(self, config.switch_chunk_pages)
-        elif config.warmup:
-            self.executor.compile_all()
+            self.switcher = SwitchController(self, config.switch_chunk_pages)  # compiles the migration programs
 
         self.eos_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_id is not None:
