@@ -8,6 +8,8 @@ import os
 import types
 import typing
 
+from splash_jax.policy import PolicyConfig
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -29,6 +31,8 @@ class EngineConfig:
     layout: str = "tp"  # attention layout: tp | dp | dop | cp (all equal on one device)
     num_devices: int = 1  # devices in the mesh, in jax.devices() order
     enable_switching: bool = False  # precompile every layout and the migration programs
+    layout_policy: str = "off"  # off | auto (the transition-aware policy picks layouts; needs switching)
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     switch_chunk_pages: int = 8  # pages copied per device pair between two steps during a switch
     seed: int = 0
     compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
@@ -44,23 +48,37 @@ class EngineConfig:
             raise ValueError(f"--page-size must be a power of two, got {self.page_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs >= 1")
+        if self.layout_policy not in ("off", "auto"):
+            raise ValueError(f"--layout-policy must be off or auto, got {self.layout_policy!r}")
+        if self.layout_policy == "auto" and not self.enable_switching:
+            raise ValueError("--layout-policy auto needs --enable-switching")
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        hints = typing.get_type_hints(cls)
-        group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            kind = _base_type(hints[f.name])
-            if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-            else:
-                group.add_argument(flag, type=kind, default=f.default)
+        add_dataclass_args(parser.add_argument_group("engine"), cls)
+        add_dataclass_args(parser.add_argument_group("layout policy"), PolicyConfig, prefix="policy_")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "policy"}
+        policy = PolicyConfig(**{f.name: getattr(args, "policy_" + f.name) for f in dataclasses.fields(PolicyConfig)})
+        return cls(**values, policy=policy)
+
+
+def add_dataclass_args(group, cls, prefix: str = "") -> None:
+    """One flag per field (`--field-name`, booleans as --x/--no-x); nested dataclasses are skipped."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(kind):
+            continue
+        flag = "--" + (prefix + f.name).replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            group.add_argument(flag, type=kind, default=default)
 
 
 def _base_type(hint):

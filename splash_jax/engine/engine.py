@@ -123,6 +123,11 @@ class Engine:
             from splash_jax.switch.controller import SwitchController
 
             self.switcher = SwitchController(self, config.switch_chunk_pages)  # compiles the migration programs
+        self.policy = None
+        if config.layout_policy == "auto":
+            from splash_jax.policy import TransitionAwarePolicy
+
+            self.policy = TransitionAwarePolicy(self, config.policy)
 
         self.eos_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_id is not None:
@@ -200,6 +205,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.switcher is not None:
             self.switcher.before_step()  # batch boundary: a finished migration hands off here
+            if self.policy and self.switcher.active is None and self.num_steps % self.config.policy.interval_steps == 0:
+                dst = self.policy.decide(self.num_steps)
+                if dst is not None:
+                    self.switcher.start(dst)
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.switcher is not None:
