@@ -256,6 +256,8 @@ class SwitchController:
         load = Counter(p.owner for p in plan.requests.values())
         # 1. Extend plans to every page holding data (and plan requests admitted meanwhile).
         for r in sorted(sched.running, key=lambda r: r.order):
+            if r not in sched.running:
+                continue  # preempted below to make room for an earlier request
             while True:
                 try:
                     existing = plan.requests.get(r.request_id)
