@@ -168,3 +168,30 @@ def test_cancel_midway_keeps_source_layout(engine):
     while engine.has_work():
         engine.step()
     assert [engine.allocator.num_free(d) for d in range(N)] == free_before
+
+
+def test_requests_admitted_during_a_switch_are_preempted_at_handoff_not_lost():
+    """DOP -> TP starts with room for the running requests; eight more arrive during the window and
+    TP cannot replicate them all, so the handoff recomputes the newest later. Nothing is lost."""
+    kw = dict(KW, max_num_seqs=16, max_num_batched_tokens=64, warmup=False)
+    long = "word " * 60
+
+    def run(engine, switch):
+        ids = {engine.add_request(long + str(i), SamplingParams(max_tokens=30)): i for i in range(4)}
+        for _ in range(6):
+            engine.step()
+        handle = engine.switch_layout("tp") if switch else None
+        for i in range(4, 12):
+            ids[engine.add_request(f"tiny prompt {i} " + long[: 40 * (i % 3)], SamplingParams(max_tokens=30))] = i
+        done = {}
+        while engine.has_work():
+            for out in engine.step():
+                if out.finished:
+                    done[ids[out.request_id]] = out.token_ids
+        return done, handle
+
+    want, _ = run(Engine(EngineConfig(layout="dop", **kw)), switch=False)
+    engine = Engine(EngineConfig(layout="dop", enable_switching=True, switch_chunk_pages=1, **kw))
+    got, handle = run(engine, switch=True)
+    assert handle.state == SwitchState.DONE and handle.preempted and engine.layout.name == "tp"
+    assert got == want and len(got) == 12
