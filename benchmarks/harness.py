@@ -23,8 +23,8 @@ def inject_decoding(engine: Engine, batch: int, context: int, tag: str = "bench"
         engine.add_request(r)
         sched.waiting.remove(r)
         r.device_pages = [[] for _ in range(sched.n)]
-        r.owner = sched._least_loaded()
-        if not sched._allocate(r, context + 64):
+        r.owner = sched.least_loaded_device()
+        if not sched.allocate(r, context + 64):
             sched.running.append(r)
             clear(engine, reqs + [r])
             raise MemoryError(f"{batch} x {context} tokens do not fit the {engine.layout.name} pool")

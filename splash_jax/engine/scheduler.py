@@ -104,8 +104,8 @@ class Scheduler:
                 break
             n = min(remaining, budget)
             request.device_pages = [[] for _ in range(self.n)]
-            request.owner = self._least_loaded()
-            if not self._allocate(request, request.num_computed + n):
+            request.owner = self.least_loaded_device()
+            if not self.allocate(request, request.num_computed + n):
                 break  # admission only when its pages are there
             self.waiting.popleft()
             request.status = Status.RUNNING
@@ -118,15 +118,15 @@ class Scheduler:
 
     def _ensure_pages(self, request: Request, upto: int, scheduled: set[int]) -> bool:
         """Grow `request` to hold `upto` tokens, preempting others if needed; False if it preempted itself."""
-        while not self._allocate(request, upto):
+        while not self.allocate(request, upto):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             victim = max(victims, key=lambda r: r.order) if victims else request
-            self._preempt(victim)
+            self.preempt(victim)
             if victim is request:
                 return False
         return True
 
-    def _allocate(self, request: Request, upto: int) -> bool:
+    def allocate(self, request: Request, upto: int) -> bool:
         """Give `request` the pages it needs on every device to hold `upto` tokens, or nothing."""
         need = pages_needed(self.kv_placement, self.n, request.owner, request.device_pages, upto, self.page_size)
         if any(k > self.allocator.num_free(d) for d, k in enumerate(need)):
@@ -136,14 +136,15 @@ class Scheduler:
                 request.device_pages[d] += self.allocator.allocate(k, d)
         return True
 
-    def _least_loaded(self) -> int:
+    def least_loaded_device(self) -> int:
         """Owner for a new request: the device with the most free pages, then the fewest requests."""
         counts = [0] * self.n
         for r in self.running:
             counts[r.owner] += 1
         return max(range(self.n), key=lambda d: (self.allocator.num_free(d), -counts[d], -d))
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
+        """Free a running request's pages and requeue it first; it keeps its output and recomputes."""
         log.debug("preempting %s (%d tokens computed)", request.request_id, request.num_computed)
         self.running.remove(request)
         self._release(request)

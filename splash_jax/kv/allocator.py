@@ -101,6 +101,12 @@ class PageAllocator:
                 del free[len(free) - k :]
         return taken
 
+    def allocate_base(self, device: int) -> int:
+        """One page of the base segment (for a destination layout that has no extra segment)."""
+        if not self._free[device]:
+            raise OutOfPages(f"device {device} has no free base page")
+        return self._free[device].pop()
+
     def free(self, pages: list[int]) -> None:
         if not pages:
             return

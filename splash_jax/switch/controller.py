@@ -156,7 +156,7 @@ class SwitchController:
         reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners)
         while reason and preempt and sched.running:
             victim = max(sched.running, key=lambda r: r.order)
-            sched._preempt(victim)
+            sched.preempt(victim)
             handle.preempted.append(victim.request_id)
             owners.pop(victim.request_id, None)
             reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners)
@@ -274,7 +274,7 @@ class SwitchController:
                     victim = max(sched.running, key=lambda q: q.order)
                     if victim.request_id in plan.requests:
                         engine.allocator.free(plan.requests.pop(victim.request_id).reserved)
-                    sched._preempt(victim)
+                    sched.preempt(victim)
                     handle.preempted.append(victim.request_id)
                     if victim is r:
                         break

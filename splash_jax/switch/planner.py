@@ -124,24 +124,13 @@ def plan_request(
             if usable:
                 plan.dst_pages[d].append(usable[0])
                 continue
-            if base_only:
-                new = _allocate_base(allocator, d)
-            else:
-                new = allocator.allocate(1, d)[0]
+            new = allocator.allocate_base(d) if base_only else allocator.allocate(1, d)[0]
             plan.reserved.append(new)
             plan.dst_pages[d].append(new)
             src_page = local[0] if local else have[0][1]
             plan.copies.append((src_page, new))
     plan.planned_pages = num_pages
     return plan
-
-
-def _allocate_base(allocator: PageAllocator, device: int) -> int:
-    """A page of the base segment (the only one the destination keeps)."""
-    free = allocator._free[device]
-    if not free:
-        raise SwitchRefused(f"device {device} has no free base page for the destination layout")
-    return free.pop()
 
 
 def finalize_frees(plan: RequestPlan) -> None:
