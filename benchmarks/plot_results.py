@@ -1,0 +1,69 @@
+"""Plots from benchmark result files (no device needed): decode roofline and switching.
+
+    python -m benchmarks.plot_results benchmarks/results/decode_roofline_gpu-*.json benchmarks/results/switching_*.json
+
+Writes a PNG next to each JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+log = logging.getLogger("benchmarks.plot_results")
+
+
+def plot_decode(data: dict, out: Path) -> None:
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for ctx in sorted({r["context"] for r in rows}):
+        sel = sorted((r for r in rows if r["context"] == ctx), key=lambda r: r["batch"])
+        batches = [r["batch"] for r in sel]
+        ax.plot(batches, [r["tokens_per_s"] for r in sel], "o-", label=f"engine, context {ctx}")
+        ax.plot(batches, [r["batch"] / r["roofline_ms"] * 1e3 for r in sel], "--", alpha=0.6, label=f"roofline, context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (decoding requests)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"decode vs roofline ({data['machine']['device_kind']}, {data['args']['shape']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def plot_switching(data: dict, out: Path) -> None:
+    rows = data["rows"]
+    pairs = [r["pair"] for r in rows]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    a.bar(pairs, [r["cache_MB"] + r["weights_MB"] for r in rows], color="tab:blue")
+    a.set_ylabel("MB moved")
+    b.bar(pairs, [100 * (r["overhead_median"] or 0) for r in rows], color="tab:orange")
+    b.set_ylabel("median step overhead %")
+    b.tick_params(axis="x", rotation=45)
+    a.set_title(f"layout switches ({data['machine']['device_kind']}, {data['machine']['device_count']} devices)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def main(paths: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for p in map(Path, paths):
+        data = json.loads(p.read_text())
+        name = p.name.split("_")[0]
+        plotter = {"decode": plot_decode, "switching": plot_switching}.get(name)
+        if plotter is None:
+            log.info("no plot for %s", p)
+            continue
+        plotter(data, p.with_suffix(".png"))
+        log.info("wrote %s", p.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
