@@ -138,7 +138,6 @@ class Engine:
         self._seeds = np.random.default_rng(config.seed)
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
         self.num_steps = 0
-        self.step_time_total = 0.0
 
     # --- requests ------------------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
@@ -214,14 +213,12 @@ class Engine:
             if self.switcher is not None:
                 self.switcher.after_step()
             return []
-        t0 = time.perf_counter()
         batch, sampling, bucket = self._pack(chunks)
         out = self.executor.run(bucket, batch, sampling)
         want_logprobs = any(c.request.params.logprobs is not None for c in chunks)
         tokens = np.asarray(out.tokens)
         host = jax.device_get((out.logprob, out.top_ids, out.top_logprobs)) if want_logprobs else None
         self.num_steps += 1
-        self.step_time_total += time.perf_counter() - t0
         now = time.monotonic()
         outputs = []
         for i, chunk in enumerate(chunks):

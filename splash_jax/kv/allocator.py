@@ -82,9 +82,6 @@ class PageAllocator:
         local = np.where(base, pages % self.pages_per_device, rel % extra)
         return device, (~base).astype(np.int64), local
 
-    def device_of(self, page: int) -> int:
-        return int(self.locate([page])[0][0])
-
     # --- pages ----------------------------------------------------------------------------
     def num_free(self, device: int = 0) -> int:
         return len(self._free[device]) + len(self._free_extra[device])

@@ -300,7 +300,7 @@ class SwitchController:
         engine.layout = ex.layout = dst
         sched.kv_placement = dst.kv_placement
         handle.handoff_s = time.perf_counter() - t0
-        handle.plan = plan.summary() | {"weight_bytes_gathered": plan.weight_bytes}
+        handle.plan = plan.summary()
         self._finish(handle, SwitchState.DONE)
         log.info("switch %s -> %s done: %s", src.name, dst.name, handle.as_dict())
 

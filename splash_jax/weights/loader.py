@@ -7,6 +7,7 @@ its experts), so the host holds at most one tensor at a time, never the model.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -127,13 +128,19 @@ def _dummy_state(abstract, sharding_for, seed: int):
 
 
 def _random_leaf(shape, dtype, sharding, ones: bool, std: float, key):
-    @jax.jit
+    return _leaf_program(shape, dtype, sharding, ones, std)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _leaf_program(shape, dtype, sharding, ones: bool, std: float):
+    """One compiled initializer per distinct (shape, dtype, sharding, kind): layers share them."""
+
     def make(k):
         if ones:
             return jnp.ones(shape, dtype)
         return (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
 
-    return jax.jit(make, out_shardings=sharding)(key)
+    return jax.jit(make, out_shardings=sharding)
 
 
 def _replace_leaves(abstract, leaves):
