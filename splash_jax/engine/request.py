@@ -4,13 +4,38 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 
 MAX_LOGPROBS = 20  # top-n alternatives computed on device for every row (OpenAI's limit)
 
 
 class RequestError(ValueError):
-    """A request that cannot be served as given; only that request fails."""
+    """A request that cannot be served as given; only that request fails.
+
+    `field` names the SamplingParams field at fault (the server maps it to the request's own
+    field name in its 400 answer)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingLimits:
+    """Bounds that fix the shapes of the sampler's per-row arrays (so nothing a request sends
+    changes a compiled program): EOS + stop_token_ids to suppress, logit_bias entries."""
+
+    max_stop_token_ids: int = 16
+    max_logit_bias: int = 300
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass
@@ -21,30 +46,64 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (0 = off)
     seed: int | None = None
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # vLLM: prompt + output tokens; positive logits / p, negative x p
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None = off; 0 = chosen token only; n = plus top-n alternatives
 
-    def validate(self, vocab_size: int) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise RequestError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise RequestError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not 0 <= int(self.seed) < 2**63:
-            raise RequestError(f"seed must be a non-negative 64-bit integer, got {self.seed}")
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def validate(self, vocab_size: int, limits: SamplingLimits = SamplingLimits()) -> None:
+        """Raise RequestError (naming the field) for anything the engine cannot run as given."""
+
+        def bad(field: str, message: str):
+            raise RequestError(f"{field} {message}", field)
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= vocab_size):
+            bad("top_k", f"must be -1 or 0 (off) or in [1, {vocab_size}] (the vocabulary size), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                bad(field, f"must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in (0, 10] (1 = off), got {self.repetition_penalty!r}")
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > limits.max_stop_token_ids:
+            bad("stop_token_ids", f"may hold at most {limits.max_stop_token_ids} ids")
         for t in self.stop_token_ids:
-            if not 0 <= t < vocab_size:
-                raise RequestError(f"stop_token_ids entry {t} is outside the vocabulary (size {vocab_size})")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError("stop strings must be non-empty strings")
+            if not _is_int(t) or not 0 <= t < vocab_size:
+                bad("stop_token_ids", f"entry {t!r} is outside the vocabulary (size {vocab_size})")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > limits.max_logit_bias:
+            bad("logit_bias", f"may hold at most {limits.max_logit_bias} entries")
+        for t, v in self.logit_bias.items():
+            if not _is_int(t) or not 0 <= t < vocab_size:
+                bad("logit_bias", f"key {t!r} is not a token id of the vocabulary (size {vocab_size})")
+            if not _is_number(v) or not -100.0 <= v <= 100.0:
+                bad("logit_bias", f"value for token {t} must be in [-100, 100], got {v!r}")
 
 
 class Status(enum.Enum):

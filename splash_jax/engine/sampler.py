@@ -8,29 +8,91 @@ Logprobs are of the model's raw distribution (as vLLM returns by default).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from splash_jax.engine.request import MAX_LOGPROBS
+from splash_jax.engine.penalties import PenaltyState, process_logits
+from splash_jax.engine.request import MAX_LOGPROBS, SamplingLimits, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerWidths:
+    """Columns of the per-row id arrays, fixed per engine so no request changes a program's shapes."""
+
+    num_suppress: int  # EOS ids + SamplingLimits.max_stop_token_ids
+    num_bias: int  # SamplingLimits.max_logit_bias
+
+    @classmethod
+    def of(cls, limits: SamplingLimits, num_eos_ids: int) -> "SamplerWidths":
+        return cls(limits.max_stop_token_ids + num_eos_ids, limits.max_logit_bias)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingInputs:
-    temperature: jax.Array  # [N] float32, 0 = greedy
-    top_k: jax.Array  # [N] int32, 0 = off
-    top_p: jax.Array  # [N] float32
-    seed: jax.Array  # [N] uint32 (low 32 bits of the seed)
-    step: jax.Array  # [N] int32, tokens generated so far by the row's request
+    """Per-row sampling controls. The fields after `step` are None only while an engine build
+    does not pass them yet (then suppress, logit_bias, penalties and min_p are off)."""
+
+    temperature: jax.Array  # [R] float32, 0 = greedy
+    top_k: jax.Array  # [R] int32, 0 = off
+    top_p: jax.Array  # [R] float32
+    seed: jax.Array  # [R] uint32 (low 32 bits of the seed)
+    step: jax.Array  # [R] int32, tokens generated so far by the row's request
+    slot: jax.Array | None = None  # [R] int32, the request's PenaltyState row
+    presence: jax.Array | None = None  # [R] float32, 0 = off
+    frequency: jax.Array | None = None  # [R] float32, 0 = off
+    repetition: jax.Array | None = None  # [R] float32, 1 = off
+    min_p: jax.Array | None = None  # [R] float32, 0 = off
+    suppress_ids: jax.Array | None = None  # [R, K] int32, -1 = none: masked to -inf this step (min_tokens)
+    bias_ids: jax.Array | None = None  # [R, B] int32, -1 = none
+    bias_values: jax.Array | None = None  # [R, B] float32
 
     @classmethod
-    def host(cls, n: int) -> "SamplingInputs":
+    def host(cls, n: int, widths: SamplerWidths | None = None) -> "SamplingInputs":
+        """Neutral numpy inputs for n rows (fill rows with `set_row`)."""
+        base = (np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.int32))
+        if widths is None:
+            return cls(*base)
         return cls(
-            np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
-            np.zeros(n, np.uint32), np.zeros(n, np.int32),
+            *base, np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32),
+            np.zeros(n, np.float32), np.full((n, widths.num_suppress), -1, np.int32),
+            np.full((n, widths.num_bias), -1, np.int32), np.zeros((n, widths.num_bias), np.float32),
         )
+
+    @classmethod
+    def abstract(cls, n: int, widths: SamplerWidths | None, sharding=None) -> "SamplingInputs":
+        """Shapes and dtypes (for ahead-of-time lowering)."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), cls.host(n, widths))
+
+    def set_row(
+        self, i: int, params: SamplingParams, seed: int, num_generated: int, slot: int = 0,
+        eos_ids: Collection[int] = (),
+    ) -> None:
+        """Fill row i (host arrays) from a request's parameters at this step."""
+        self.temperature[i] = params.temperature
+        self.top_k[i] = max(params.top_k, 0)
+        self.top_p[i] = params.top_p
+        self.seed[i] = seed & 0xFFFFFFFF
+        self.step[i] = num_generated
+        if self.slot is None:
+            return
+        self.slot[i] = slot
+        self.presence[i] = params.presence_penalty
+        self.frequency[i] = params.frequency_penalty
+        self.repetition[i] = params.repetition_penalty
+        self.min_p[i] = params.min_p
+        self.suppress_ids[i] = -1
+        if num_generated < params.min_tokens:
+            ids = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(eos_ids))
+            self.suppress_ids[i, : len(ids)] = ids
+        self.bias_ids[i] = -1
+        if params.logit_bias:
+            k = len(params.logit_bias)
+            self.bias_ids[i, :k] = np.fromiter(params.logit_bias.keys(), np.int32, k)
+            self.bias_values[i, :k] = np.fromiter(params.logit_bias.values(), np.float32, k)
 
 
 @jax.tree_util.register_dataclass
@@ -42,7 +104,14 @@ class SampleOutput:
     top_logprobs: jax.Array  # [N, MAX_LOGPROBS] float32
 
 
-def _filtered(scaled: jax.Array, s: SamplingInputs) -> jax.Array:
+def _min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Drop tokens whose probability is below min_p x the row's highest (after temperature)."""
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keep = probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _top_k_top_p(scaled: jax.Array, s: SamplingInputs) -> jax.Array:
     """Mask everything outside each row's top-k and top-p set (one sort of the vocabulary)."""
     vocab = scaled.shape[-1]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
@@ -52,28 +121,37 @@ def _filtered(scaled: jax.Array, s: SamplingInputs) -> jax.Array:
     # top-p: the smallest prefix of the sorted distribution whose mass reaches top_p.
     sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = mass_before < s.top_p[:, None]
+    keep_sorted = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0)  # float32 mass can reach 1 early
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
 
 
-def _draw(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+def filter_logits(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    """Temperature, then min_p, then top-k and top-p (vLLM v1's order); each filter runs only
+    when some row of the batch uses it."""
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    if s.min_p is not None:
+        scaled = jax.lax.cond(jnp.any(s.min_p > 0), _min_p, lambda x, _: x, scaled, s.min_p)
     needs_filter = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
-    masked = jax.lax.cond(needs_filter, _filtered, lambda x, _: x, scaled, s)
+    return jax.lax.cond(needs_filter, _top_k_top_p, lambda x, _: x, scaled, s)
 
+
+def _draw(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     def draw(seed, step, row):
         key = jax.random.fold_in(jax.random.key(seed), step)
         return jax.random.categorical(key, row)
 
-    return jax.vmap(draw)(s.seed, s.step, masked).astype(jnp.int32)
+    return jax.vmap(draw)(s.seed, s.step, filter_logits(logits, s)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: SamplingInputs) -> SampleOutput:
-    """Greedy rows take the argmax; the vocabulary sort and the random draw run only when some row
-    of the batch needs them (lax.cond executes one branch on the device)."""
+def sample(logits: jax.Array, s: SamplingInputs, penalties: PenaltyState | None = None) -> SampleOutput:
+    """Suppress, logit_bias and penalties (`process_logits`), then greedy rows take the argmax and
+    the others draw from the filtered distribution. The vocabulary sort, the random draw and every
+    processor run only when some row of the batch needs them (lax.cond executes one branch).
+    Logprobs stay those of the raw model distribution. penalties=None: no penalties."""
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = process_logits(logits, s, penalties)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = jax.lax.cond(jnp.any(s.temperature > 0), _draw, lambda l, _: greedy, logits, s)
     tokens = jnp.where(s.temperature > 0, sampled, greedy)
