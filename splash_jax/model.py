@@ -35,7 +35,7 @@ class RuntimeOptions:
 
 class MLAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs):
-        d, h = cfg.hidden_size, cfg.num_heads
+        d, h = cfg.hidden_size, cfg.arrays.num_heads  # padded heads (if any) have all-zero weights
         self.cfg = cfg
         if cfg.q_lora_rank is None:
             self.q_proj = init_param(rngs, (d, h, cfg.qk_head_dim), dtype)
@@ -134,7 +134,7 @@ class DecoderLayer(nnx.Module):
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, dtype, rngs)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+            self.mlp = MLP(cfg.hidden_size, cfg.arrays.intermediate_size, dtype, rngs)
 
     def __call__(self, x, cos_sin, pools, batch, ctx):
         a, pools = ctx.attention(self.attn, self.input_norm(x), cos_sin, pools, batch)
@@ -152,11 +152,12 @@ class DeepseekForCausalLM(nnx.Module):
         dtype = jnp.dtype(options.dtype)
         self.cfg = cfg
         self.options = options
-        self.embed = init_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, std=1.0)
+        vocab = cfg.arrays.vocab_size
+        self.embed = init_param(rngs, (vocab, cfg.hidden_size), dtype, std=1.0)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         if not cfg.tie_word_embeddings:
-            self.lm_head = init_param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+            self.lm_head = init_param(rngs, (cfg.hidden_size, vocab), dtype)
 
     def rope_cos_sin(self, positions):
         """[T, R] cos|sin rows computed on device (a table for 160K positions would be a 40 MB constant)."""
@@ -179,7 +180,10 @@ class DeepseekForCausalLM(nnx.Module):
             layers.append(pools)
         h = self.norm(x[batch.logits_index])
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return ctx.logits(h, head), KVCache.from_layers(layers)
+        logits = ctx.logits(h, head)
+        if logits.shape[-1] != self.cfg.vocab_size:  # padded vocabulary rows are never sampled
+            logits = logits[:, : self.cfg.vocab_size]
+        return logits, KVCache.from_layers(layers)
 
     def new_cache(self, num_pages: int, page_size: int, sharding=None, extra_pages: int = 0) -> KVCache:
         cfg = self.cfg

@@ -41,6 +41,25 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ArraySizes:
+    """Parameter-array sizes of the axes that layouts shard over devices.
+
+    They equal the architecture's numbers unless the loader zero-padded them to a multiple of the
+    device count (`ModelConfig.padded_to`; `splash_jax/weights/padding.py` says why that is exact).
+    """
+
+    num_heads: int
+    n_routed_experts: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    vocab_size: int
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of one DeepSeek-family MLA model."""
 
@@ -74,6 +93,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "DeepseekV3ForCausalLM"
+    # Array sizes when the loader padded for a device count; None = the architecture's sizes.
+    # Every other field keeps the real architecture (what config.json says).
+    padding: ArraySizes | None = None
 
     # --- derived numbers ------------------------------------------------------------
     @property
@@ -93,6 +115,32 @@ class ModelConfig:
             m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale *= m * m
         return scale
+
+    @property
+    def arrays(self) -> ArraySizes:
+        """Sizes the parameter arrays have (padded or not); the model is built from these."""
+        if self.padding is not None:
+            return self.padding
+        return ArraySizes(
+            num_heads=self.num_heads,
+            n_routed_experts=self.n_routed_experts,
+            intermediate_size=self.intermediate_size,
+            shared_intermediate_size=self.moe_intermediate_size * self.n_shared_experts,
+            vocab_size=self.vocab_size,
+        )
+
+    def padded_to(self, multiple: int) -> "ModelConfig":
+        """This architecture with every device-sharded axis zero-padded to a multiple of `multiple`.
+
+        Heads, routed experts, dense and shared-expert FFN widths and the vocabulary are the axes
+        some layout shards; padding them (instead of refusing the shape) lets any model run on
+        any device count. The real numbers stay in the other fields.
+        """
+        if multiple < 1:
+            raise ValueError(f"padding multiple must be >= 1, got {multiple}")
+        real = dataclasses.replace(self, padding=None).arrays
+        sizes = ArraySizes(**{f.name: _round_up(getattr(real, f.name), multiple) for f in dataclasses.fields(real)})
+        return dataclasses.replace(self, padding=None if sizes == real else sizes)
 
     def is_moe_layer(self, layer: int) -> bool:
         return (

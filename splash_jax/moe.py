@@ -48,16 +48,18 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
+        # The router scores only the real experts, so padded experts (array rows >= e) are never routed.
         self.router = init_param(rngs, (d, e), jnp.float32, std=d ** -0.5)
         if cfg.topk_method == "noaux_tc":
             self.router_bias = init_param(rngs, (e,), jnp.float32, std=0.0)
+        e = cfg.arrays.n_routed_experts
         # All three [E, I, D] (gate/up as HF's [out, in]): on GPU the dense path then needs no
         # per-step relayout of the expert tensors (benchmarks/moe_paths.py measured 2x).
         self.experts_gate = init_param(rngs, (e, i, d), dtype)
         self.experts_up = init_param(rngs, (e, i, d), dtype)
         self.experts_down = init_param(rngs, (e, i, d), dtype)
         if cfg.n_shared_experts:
-            self.shared = MLP(d, i * cfg.n_shared_experts, dtype, rngs)
+            self.shared = MLP(d, cfg.arrays.shared_intermediate_size, dtype, rngs)
 
     def __call__(self, x, expert_offset=None):
         """Routed + shared experts. With experts sharded, `expert_offset(num_local)` gives this

@@ -101,4 +101,6 @@ def param_sharding_fn(layout: Layout, mesh: Mesh):
                 )
         return NamedSharding(mesh, spec)
 
+    # The loader zero-pads head / expert / FFN / vocab axes to a multiple of this (weights/padding.py).
+    sharding_for.shard_multiple = mesh.shape[AXIS]
     return sharding_for

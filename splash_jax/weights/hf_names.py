@@ -97,6 +97,8 @@ def _experts(prefix: str, proj: str, shape: tuple[int, int], num_experts: int) -
 
     def build(read, experts: slice):
         ids = range(num_experts)[experts]
+        if not ids:  # a device holding only padded experts reads nothing
+            return np.zeros((0,) + (shape[::-1] if transpose else shape), np.float32)
         return np.stack([read(names[e]).T if transpose else read(names[e]) for e in ids])
 
     return ParamSource(names, [shape] * num_experts, build, per_expert=True)

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from splash_jax.model import DeepseekForCausalLM, RuntimeOptions
 from splash_jax.model_config import ModelConfig
 from splash_jax.weights.hf_names import param_sources
+from splash_jax.weights.padding import padding_report, zero_pad_to
 from splash_jax.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,23 @@ def load_model(
     load_format: str = "auto",
     config: ModelConfig | None = None,
     seed: int = 0,
+    pad_multiple: int | None = None,
 ) -> DeepseekForCausalLM:
-    """The model at `path` (a HF folder with config.json, or an Orbax snapshot with config.json)."""
+    """The model at `path` (a HF folder with config.json, or an Orbax snapshot with config.json).
+
+    Device-sharded axes (heads, experts, FFN widths, vocabulary) are zero-padded to a multiple of
+    `pad_multiple`, by default the `shard_multiple` that `sharding_for` declares (the mesh size for
+    `mesh.layouts.param_sharding_fn`; 1, no padding, for a plain function). Padding is exact.
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose from {LOAD_FORMATS}")
     path = Path(path) if path is not None else None
     cfg = config or ModelConfig.from_json(path)
     sharding_for = sharding_for or replicated()
+    multiple = pad_multiple or getattr(sharding_for, "shard_multiple", 1)
+    cfg = cfg.padded_to(multiple)
+    for line in padding_report(cfg, multiple, jnp.dtype(options.dtype).itemsize):
+        log.info("padding %s", line)
     if load_format == "auto":
         load_format = "orbax" if (path / "orbax").exists() else "safetensors"
     graphdef, abstract = abstract_model(cfg, options)
@@ -98,13 +109,18 @@ def _safetensors_state(cfg, ckpt: SafetensorsCheckpoint, abstract, sharding_for,
         sharding = sharding_for(_path_key(key), shape)
         cache: dict = {}
 
-        def callback(index, src=src, target=target, cache=cache):
+        def callback(index, src=src, shape=shape, target=target, cache=cache):
             if src.per_expert:
-                part = src.build(ckpt.read, index[0] if index else slice(None))
+                # Only this device's experts are read; ids past the real count are padding (zeros).
+                start, stop, _ = (index[0] if index else slice(None)).indices(shape[0])
+                real_stop = max(start, min(stop, len(src.names)))
+                part = src.build(ckpt.read, slice(start, real_stop))
+                part = zero_pad_to(part, (stop - start,) + part.shape[1:])
                 rest = (slice(None),) + tuple(index[1:])
                 return np.ascontiguousarray(part[rest]).astype(target)
             if "full" not in cache:
-                cache["full"] = np.ascontiguousarray(src.build(ckpt.read, slice(None))).astype(target)
+                full = zero_pad_to(src.build(ckpt.read, slice(None)), shape)
+                cache["full"] = np.ascontiguousarray(full).astype(target)
             return cache["full"][index]
 
         leaves.append(jax.make_array_from_callback(shape, sharding, callback))
