@@ -13,6 +13,13 @@ DeepSeek / HF-hub checkpoint layout, and record reference outputs in `reference.
                                  weights sharded into 2 safetensors files + model.safetensors.index.json
     tests/fixtures/v2lite_tiny/  DeepseekV2ForCausalLM  (q_proj, softmax greedy routing,
                                  YaRN rope scaling with mscale), single model.safetensors
+    tests/fixtures/v3_groupmask_tiny/  DeepseekV3ForCausalLM, 16 experts in 4 groups, top-4 of the 2 kept
+                                 groups, negative e_score_correction_bias: many tokens have fewer than 4
+                                 kept experts with a positive choice score, the case where masking the
+                                 other groups with -inf (transformers >= 5) and with 0.0 (older
+                                 transformers, the hub's remote code) route differently
+    tests/fixtures/v2_group_tiny/  DeepseekV2ForCausalLM, q_lora, softmax group_limited_greedy (4 groups,
+                                 2 kept), norm_topk_prob=true in config.json (transformers' V2 ignores it)
 
 Each folder holds: config.json (HF format + the original DeepSeek fields), safetensors
 weights (original tensor names, routed experts saved one-per-expert), and reference.npz with
@@ -30,6 +37,8 @@ weights (original tensor names, routed experts saved one-per-expert), and refere
     rope_inv_freq    float32 [rope/2]       (extra) inverse frequencies actually used (YaRN-adjusted for V2)
     rope_attention_scaling float32 0-d      (extra) factor HF multiplies into cos/sin
     softmax_scale    float32 0-d            (extra) attention softmax scale (includes YaRN mscale^2)
+    group_mask_cases int32   0-d            (extra) routed token-layers where a 0.0 group mask would
+                                            choose other experts than transformers' mask
 
 Everything is float32 with attn_implementation="eager" and experts_implementation="eager".
 The script tries N_SEEDS seeds and keeps the one whose routing decisions (expert top-k and V3 group
@@ -166,6 +175,21 @@ V2_EXTRA = dict(
     seq_aux=True,
 )
 
+V3_GROUPMASK_HF = dict(V3_HF, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
+V2_GROUP_HF = dict(
+    V2_HF,
+    q_lora_rank=48,
+    n_routed_experts=16,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    topk_method="group_limited_greedy",
+    norm_topk_prob=True,  # kept in config.json on purpose: transformers' DeepseekV2 ignores it
+    routed_scaling_factor=16.0,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+V2_GROUP_EXTRA = dict(V2_EXTRA, rope_scaling=None)
+
 SPECS = {
     "v3_tiny": dict(
         arch="DeepseekV3ForCausalLM",
@@ -186,6 +210,29 @@ SPECS = {
         n_shards=1,
         base_seed=2000,
         rope_order="interleaved",
+    ),
+    "v3_groupmask_tiny": dict(
+        arch="DeepseekV3ForCausalLM",
+        model_cls=DeepseekV3ForCausalLM,
+        config_cls=DeepseekV3Config,
+        hf=V3_GROUPMASK_HF,
+        extra=V3_EXTRA,
+        n_shards=1,
+        base_seed=4000,
+        rope_order="split",
+        bias_range=(-0.8, -0.3),  # sigmoid + bias < 0 for many experts: the mask value matters
+        min_group_mask_cases=8,
+    ),
+    "v2_group_tiny": dict(
+        arch="DeepseekV2ForCausalLM",
+        model_cls=DeepseekV2ForCausalLM,
+        config_cls=DeepseekV2Config,
+        hf=V2_GROUP_HF,
+        extra=V2_GROUP_EXTRA,
+        n_shards=1,
+        base_seed=5000,
+        rope_order="interleaved",
+        router_std=4.0,  # wider softmax: group and expert choices far from ties
     ),
 }
 
@@ -277,7 +324,7 @@ def checkpoint_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_checkpoint(cfg, seed: int) -> dict[str, torch.Tensor]:
+def random_checkpoint(cfg, seed: int, bias_range=(0.0, 0.1), router_std=ROUTER_STD_TIMES_SQRT_H) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     H = cfg.hidden_size
 
@@ -289,9 +336,10 @@ def random_checkpoint(cfg, seed: int) -> dict[str, torch.Tensor]:
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             t = 1.0 + 0.2 * randn(shape, 1.0)
         elif name.endswith("e_score_correction_bias"):
-            t = torch.rand(shape, generator=gen, dtype=torch.float32) * 0.1
+            lo, hi = bias_range
+            t = lo + torch.rand(shape, generator=gen, dtype=torch.float32) * (hi - lo)
         elif name.endswith("mlp.gate.weight"):  # router
-            t = randn(shape, ROUTER_STD_TIMES_SQRT_H / math.sqrt(H))
+            t = randn(shape, router_std / math.sqrt(H))
         elif name == "model.embed_tokens.weight":
             t = randn(shape, 1.0)
         elif name == "lm_head.weight":
@@ -342,10 +390,12 @@ def build_model(spec, cfg, ckpt):
 
 
 def route(cfg, gate_w, bias, h):
-    """Returns (topk_idx, topk_weight, min_margin) for router input h [T, H] (re-implementation of HF)."""
+    """Returns (topk_idx, topk_weight, min_margin, group_mask_cases) for router input h [T, H]
+    (re-implementation of HF; cross-checked against HF's MoE output in make_fixture)."""
     logits = h.float() @ gate_w.float().T
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     margins = []
+    mask_cases = 0
     if isinstance(cfg, DeepseekV3Config):  # sigmoid + noaux_tc
         scores = logits.sigmoid()
         choice = scores + bias
@@ -357,6 +407,9 @@ def route(cfg, gate_w, bias, h):
         gidx = gs.topk(cfg.topk_group, dim=-1).indices
         gmask = torch.zeros_like(gs).scatter_(1, gidx, 1.0).repeat_interleave(E // G, dim=1).bool()
         masked = choice.masked_fill(~gmask, float("-inf"))
+        zero_filled = choice.masked_fill(~gmask, 0.0)
+        mask_cases = int((masked.topk(k, dim=-1).indices.sort(-1).values
+                          != zero_filled.topk(k, dim=-1).indices.sort(-1).values).any(-1).sum())
         ms = masked.sort(-1, descending=True).values
         margins.append(ms[:, k - 1] - ms[:, k])
         idx = masked.topk(k, dim=-1).indices
@@ -364,20 +417,33 @@ def route(cfg, gate_w, bias, h):
         if cfg.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         w = w * cfg.routed_scaling_factor
-    else:  # softmax greedy
+    else:  # softmax, greedy or group_limited_greedy
         scores = logits.softmax(-1)
-        ss = scores.sort(-1, descending=True).values
+        if cfg.topk_method == "group_limited_greedy":
+            # Margins in log space here: 16 softmax probabilities are small, so absolute gaps are
+            # tiny even when the decisions are far from ties relative to f32 rounding.
+            G = cfg.n_group
+            gs = scores.view(-1, G, E // G).max(-1).values  # group score = its best expert
+            gsorted = gs.log().sort(-1, descending=True).values
+            if cfg.topk_group < G:
+                margins.append(gsorted[:, cfg.topk_group - 1] - gsorted[:, cfg.topk_group])
+            gidx = gs.topk(cfg.topk_group, dim=-1).indices
+            gmask = torch.zeros_like(gs).scatter_(1, gidx, 1.0).repeat_interleave(E // G, dim=1).bool()
+            scores = scores.masked_fill(~gmask, 0.0)
+            ss = scores.log().sort(-1, descending=True).values
+        else:
+            ss = scores.sort(-1, descending=True).values
         margins.append(ss[:, k - 1] - ss[:, k])
         w, idx = scores.topk(k, dim=-1)
         w = w * cfg.routed_scaling_factor  # HF V2 ignores norm_topk_prob
-    return idx, w, torch.stack(margins, 0).min(0).values
+    return idx, w, torch.stack(margins, 0).min(0).values, mask_cases
 
 
 def moe_manual(cfg, ckpt, l, x):
     """Per-expert (original layout) MoE forward for layer l, for cross-checking HF's fused experts."""
     m = f"model.layers.{l}.mlp."
     bias = ckpt.get(m + "gate.e_score_correction_bias")
-    idx, w, _ = route(cfg, ckpt[m + "gate.weight"], bias, x)
+    idx, w, _, _ = route(cfg, ckpt[m + "gate.weight"], bias, x)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
@@ -603,18 +669,21 @@ def load_checkpoint_folder(d: Path) -> dict[str, torch.Tensor]:
 
 def trial(spec, cfg, seed):
     """Build the model for `seed`, run the reference and measure the decision margins."""
-    ckpt = random_checkpoint(cfg, seed)
+    ckpt = random_checkpoint(
+        cfg, seed, spec.get("bias_range", (0.0, 0.1)), spec.get("router_std", ROUTER_STD_TIMES_SQRT_H)
+    )
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, PROMPT_LEN).tolist()
     model = build_model(spec, cfg, ckpt)
     rec = RouterRecorder(model, cfg)
     ref = reference_run(model, cfg, prompt)
     rec.remove()
     # routing margins over every routed token (prompt, each decode step, and the full forward)
-    route_margin = min(
-        float(route(cfg, ckpt[f"model.layers.{l}.mlp.gate.weight"],
-                    ckpt.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), x)[2].min())
+    routes = [
+        route(cfg, ckpt[f"model.layers.{l}.mlp.gate.weight"], ckpt.get(f"model.layers.{l}.mlp.gate.e_score_correction_bias"), x)
         for l, x, _ in rec.records
-    )
+    ]
+    route_margin = min(float(r[2].min()) for r in routes)
+    ref["group_mask_cases"] = np.array(sum(r[3] for r in routes), np.int32)
     # greedy argmax margins at every step (prefill last position, each decode, and the full forward)
     greedy_margin = float(
         min(top2_margin(ref["prefill_logits"][-1]), top2_margin(ref["decode_logits"]).min(),
@@ -633,8 +702,11 @@ def make_fixture(name: str):
     for seed in range(spec["base_seed"], spec["base_seed"] + N_SEEDS):
         _, _, _, ref, rm, gm = trial(spec, cfg, seed)
         varied = len(set(ref["greedy_ids"].tolist())) >= MIN_DISTINCT_GREEDY
-        scores.append((varied, min(rm, gm), seed))
-    _, best_margin, seed = max(scores)
+        mask_ok = int(ref["group_mask_cases"]) >= spec.get("min_group_mask_cases", 0)
+        scores.append((mask_ok, varied, min(rm, gm), seed))
+    mask_ok, _, best_margin, seed = max(scores)
+    if not mask_ok:
+        raise RuntimeError(f"no seed of {name} exercises the group-mask case {spec['min_group_mask_cases']} times")
     if best_margin <= MARGIN:
         raise RuntimeError(f"no seed with margins > {MARGIN} for {name}")
     ckpt, model, rec, ref, route_margin, greedy_margin = trial(spec, cfg, seed)
@@ -695,7 +767,8 @@ def make_fixture(name: str):
     for f, s in sizes.items():
         print(f"    {f:40s} {s:>10,d} B")
     print(f"    min routing margin {route_margin:.3e} over {sum(x.shape[0] for _, x, _ in rec.records)} "
-          f"routed token-layers; min greedy top1-top2 margin {greedy_margin:.3e}")
+          f"routed token-layers; min greedy top1-top2 margin {greedy_margin:.3e}; "
+          f"group-mask cases {int(ref['group_mask_cases'])}")
     print(f"    cached-vs-full max |dlogit| prefill {err_prefill:.2e} decode {err_decode:.2e}; "
           f"fused-vs-per-expert MoE max err {moe_err:.2e}; reload logits identical")
     print(f"    rope attention_scaling={att:.6f} softmax_scale={softmax_scale:.6f} "

@@ -198,6 +198,13 @@ class ModelConfig:
         if n_kv is not None and int(n_kv) != n_heads:
             raise ConfigError(f"num_key_value_heads={n_kv} must equal num_attention_heads={n_heads} for MLA")
 
+        if raw.get("mlp_bias"):
+            raise ConfigError("unsupported field mlp_bias=true (the MLP and experts have no bias tensors here)")
+        if int(get("moe_layer_freq", 1)) != 1:
+            raise ConfigError(
+                f"unsupported moe_layer_freq={raw['moe_layer_freq']} (transformers' DeepSeek models make every "
+                "layer from first_k_dense_replace on an MoE layer; only 1 matches them)"
+            )
         n_routed = int(get("n_routed_experts", 0))
         scoring = get("scoring_func", "sigmoid" if is_v3 else "softmax")
         if scoring not in SUPPORTED_SCORING:
@@ -205,9 +212,21 @@ class ModelConfig:
         topk_method = get("topk_method", "noaux_tc" if is_v3 else "greedy")
         if topk_method not in SUPPORTED_TOPK_METHODS:
             raise ConfigError(f"unsupported topk_method {topk_method!r}; supported: {SUPPORTED_TOPK_METHODS}")
+        _check_routing(arch, scoring, topk_method)
         n_group = int(get("n_group", 1))
-        if n_routed and n_routed % n_group:
-            raise ConfigError(f"n_routed_experts={n_routed} is not divisible by n_group={n_group}")
+        topk_group = int(get("topk_group", 1))
+        top_k = int(get("num_experts_per_tok", 0))
+        if n_routed:
+            if n_routed % n_group:
+                raise ConfigError(f"n_routed_experts={n_routed} is not divisible by n_group={n_group}")
+            if not 1 <= topk_group <= n_group:
+                raise ConfigError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+            if not 1 <= top_k <= n_routed:
+                raise ConfigError(f"num_experts_per_tok={top_k} must be in [1, n_routed_experts={n_routed}]")
+            if topk_method == "noaux_tc" and n_group > 1 and n_routed // n_group < 2:
+                raise ConfigError("topk_method 'noaux_tc' scores a group by its top-2 experts: needs >= 2 experts per group")
+        # transformers' DeepseekV2 never renormalizes the top-k weights, whatever the config says.
+        norm_topk_prob = bool(get("norm_topk_prob", False)) and is_v3
 
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -225,12 +244,12 @@ class ModelConfig:
             moe_intermediate_size=int(get("moe_intermediate_size", 0)),
             n_routed_experts=n_routed,
             n_shared_experts=int(get("n_shared_experts", 0)),
-            num_experts_per_tok=int(get("num_experts_per_tok", 0)),
+            num_experts_per_tok=top_k,
             n_group=n_group,
-            topk_group=int(get("topk_group", 1)),
+            topk_group=topk_group,
             topk_method=topk_method,
             scoring_func=scoring,
-            norm_topk_prob=bool(get("norm_topk_prob", False)),
+            norm_topk_prob=norm_topk_prob,
             routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
             first_k_dense_replace=int(get("first_k_dense_replace", 0)),
             moe_layer_freq=int(get("moe_layer_freq", 1)),
@@ -278,6 +297,24 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
+
+
+def _check_routing(arch: str, scoring: str, topk_method: str) -> None:
+    """Only the routing each transformers class implements: DeepseekV2 always softmax with greedy or
+    group_limited_greedy; DeepseekV3 always sigmoid + e_score_correction_bias with noaux_tc. Any
+    other combination would be silently run differently by the reference, so it is refused."""
+    if arch == "DeepseekV2ForCausalLM":
+        if scoring != "softmax":
+            raise ConfigError(f"unsupported scoring_func {scoring!r} for DeepseekV2ForCausalLM; supported: 'softmax'")
+        if topk_method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(
+                f"unsupported topk_method {topk_method!r} for DeepseekV2ForCausalLM; supported: 'greedy', 'group_limited_greedy'"
+            )
+    else:
+        if scoring != "sigmoid":
+            raise ConfigError(f"unsupported scoring_func {scoring!r} for DeepseekV3ForCausalLM; supported: 'sigmoid'")
+        if topk_method != "noaux_tc":
+            raise ConfigError(f"unsupported topk_method {topk_method!r} for DeepseekV3ForCausalLM; supported: 'noaux_tc'")
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

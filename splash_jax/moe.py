@@ -20,26 +20,32 @@ from splash_jax.model_config import ModelConfig
 
 
 def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """Router logits [T, E] (float32) -> (top-k expert ids [T, k], combine weights [T, k])."""
+    """Router logits [T, E] (float32) -> (top-k expert ids [T, k], combine weights [T, k]).
+
+    Exactly transformers' two routers (the parity reference):
+    - DeepseekV2 (softmax; greedy or group_limited_greedy): groups scored by their best expert,
+      the other groups' scores set to 0.0, weights read from those masked scores, never renormalized;
+    - DeepseekV3 (sigmoid; noaux_tc): choice = score + e_score_correction_bias, groups scored by the
+      sum of their top-2 choices, the other groups set to -inf (transformers >= 5 and DeepSeek's own
+      inference code; older transformers and the hub's remote code used 0.0), weights from the
+      unbiased scores, renormalized when norm_topk_prob.
+    Ties break toward the lower expert id in both (lax.top_k and torch.topk on CPU).
+    """
     num_tokens, num_experts = logits.shape
     k = cfg.num_experts_per_tok
+    v3 = cfg.topk_method == "noaux_tc"
     scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    choice = scores + bias if (cfg.topk_method == "noaux_tc" and bias is not None) else scores
-    if cfg.topk_method in ("noaux_tc", "group_limited_greedy") and cfg.n_group > 1:
+    choice = scores + bias if (v3 and bias is not None) else scores
+    if cfg.topk_method != "greedy" and cfg.n_group > 1:
         grouped = choice.reshape(num_tokens, cfg.n_group, num_experts // cfg.n_group)
-        if cfg.topk_method == "noaux_tc":
-            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
-            fill = -jnp.inf
-        else:
-            group_score = grouped.max(-1)
-            fill = 0.0
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1) if v3 else grouped.max(-1)
         _, top_groups = jax.lax.top_k(group_score, cfg.topk_group)
         keep = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], top_groups].set(True)
         keep = jnp.repeat(keep, num_experts // cfg.n_group, axis=1)
-        choice = jnp.where(keep, choice, fill)
+        choice = jnp.where(keep, choice, -jnp.inf if v3 else 0.0)
     _, ids = jax.lax.top_k(choice, k)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if cfg.norm_topk_prob and k > 1:
+    weights = jnp.take_along_axis(scores if v3 else choice, ids, axis=-1)
+    if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return ids, weights * cfg.routed_scaling_factor
 

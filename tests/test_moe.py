@@ -40,3 +40,50 @@ def test_v3_routing_respects_groups():
     groups = np.asarray(ids) // (cfg.n_routed_experts // cfg.n_group)
     assert max(len(set(g)) for g in groups) <= cfg.topk_group
     np.testing.assert_allclose(np.asarray(w).sum(-1), cfg.routed_scaling_factor, rtol=1e-5)
+
+
+def _cfg(name, **changes):
+    import dataclasses
+
+    from splash_jax.model_config import ModelConfig
+
+    return dataclasses.replace(ModelConfig.from_json(FIXTURES / name), **changes)
+
+
+def test_v3_masks_other_groups_with_minus_inf_like_transformers():
+    """Kept groups whose choice scores (sigmoid + bias) are negative: transformers >= 5 still picks
+    from the kept groups (-inf mask); a 0.0 mask would pick the masked experts instead."""
+    cfg = _cfg("v3_groupmask_tiny")  # 16 experts, 4 groups of 4, keep 2, top-4
+    logits = np.full((1, 16), -4.0, np.float32)
+    logits[0, [0, 1, 4, 5]] = 3.0  # groups 0 and 1 win on their top-2 sums
+    bias = np.full(16, -0.9, np.float32)  # every choice score negative
+    ids, w = route(cfg, jnp.asarray(logits), jnp.asarray(bias))
+    chosen = sorted(np.asarray(ids)[0].tolist())
+    assert chosen == [0, 1, 4, 5]
+    s = 1 / (1 + np.exp(-3.0))
+    np.testing.assert_allclose(np.asarray(w)[0], cfg.routed_scaling_factor * np.full(4, s) / (4 * s), rtol=1e-6)
+    # Two weak experts in kept groups: -inf still prefers them over every masked expert.
+    logits[0, [1, 5]] = -4.0
+    ids, _ = route(cfg, jnp.asarray(logits), jnp.asarray(bias))
+    assert set(np.asarray(ids)[0].tolist()) <= set(range(8))
+
+
+def test_group_mask_fixture_exercises_the_mask_case():
+    ref = np.load(FIXTURES / "v3_groupmask_tiny" / "reference.npz")
+    assert int(ref["group_mask_cases"]) >= 8  # the logits parity in test_model_parity covers these tokens
+
+
+def test_v2_group_limited_routing_reads_masked_scores_and_ignores_norm_topk_prob():
+    cfg = _cfg("v2_group_tiny")  # config.json says norm_topk_prob: true
+    assert cfg.topk_method == "group_limited_greedy" and not cfg.norm_topk_prob
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((32, 16)).astype(np.float32) * 3)
+    ids, w = route(cfg, logits, None)
+    p = np.asarray(jax.nn.softmax(logits, -1))
+    groups = p.reshape(32, 4, 4).max(-1)
+    kept = np.argsort(-groups, axis=-1)[:, :2]
+    for t in range(32):
+        allowed = np.concatenate([np.arange(4 * g, 4 * g + 4) for g in kept[t]])
+        best = allowed[np.argsort(-p[t, allowed])[:3]]
+        assert sorted(np.asarray(ids)[t].tolist()) == sorted(best.tolist())
+        np.testing.assert_allclose(sorted(np.asarray(w)[t]), sorted(p[t, best] * cfg.routed_scaling_factor), rtol=1e-5)

@@ -132,6 +132,13 @@ def test_unsupported_dtype_named_on_read(tmp_path):
         ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "unsupported rope_scaling type 'longrope'"),
         ({"kv_lora_rank": None}, "missing required field 'kv_lora_rank'"),
         ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        ({"mlp_bias": True}, "unsupported field mlp_bias=true"),
+        ({"moe_layer_freq": 2}, "unsupported moe_layer_freq=2"),
+        ({"scoring_func": "sigmoid"}, "unsupported scoring_func 'sigmoid' for DeepseekV2ForCausalLM"),
+        ({"topk_method": "noaux_tc"}, "unsupported topk_method 'noaux_tc' for DeepseekV2ForCausalLM"),
+        ({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 3}, "topk_group=3 must be in"),
+        ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in \[1, n_routed_experts=8\]"),
+        ({"n_group": 3}, "not divisible by n_group=3"),
     ],
 )
 def test_unsupported_config_fields_are_named(tmp_path, edit, message):
@@ -148,3 +155,19 @@ def test_v2_lite_config_fields():
     ref = np.load(FIXTURE / "reference.npz")
     assert abs(cfg.softmax_scale - float(ref["softmax_scale"])) < 1e-7
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"scoring_func": "softmax"}, "unsupported scoring_func 'softmax' for DeepseekV3ForCausalLM"),
+        ({"topk_method": "greedy"}, "unsupported topk_method 'greedy' for DeepseekV3ForCausalLM"),
+        ({"n_routed_experts": 4, "n_group": 4, "topk_group": 2}, "needs >= 2 experts per group"),
+    ],
+)
+def test_v3_routing_other_than_transformers_is_refused(tmp_path, edit, message):
+    cfg = json.loads((FIXTURE.parent / "v3_tiny" / "config.json").read_text())
+    cfg.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_json(tmp_path)
