@@ -20,6 +20,12 @@ DeepSeek / HF-hub checkpoint layout, and record reference outputs in `reference.
                                  transformers, the hub's remote code) route differently
     tests/fixtures/v2_group_tiny/  DeepseekV2ForCausalLM, q_lora, softmax group_limited_greedy (4 groups,
                                  2 kept), norm_topk_prob=true in config.json (transformers' V2 ignores it)
+    tests/fixtures/v3_fp8_tiny/  DeepseekV3ForCausalLM stored like DeepSeek-V3's release: every linear of
+                                 the decoder layers as float8_e4m3fn with a 128x128-block weight_scale_inv
+                                 (partial edge blocks: 576-row kv_a, 96-wide experts) and a
+                                 quantization_config; the reference runs transformers on the dequantized
+                                 weights (value * scale_inv of its block), so the fixture checks loading
+                                 and dequantization, not FP8 rounding
 
 Each folder holds: config.json (HF format + the original DeepSeek fields), safetensors
 weights (original tensor names, routed experts saved one-per-expert), and reference.npz with
@@ -190,6 +196,18 @@ V2_GROUP_HF = dict(
 )
 V2_GROUP_EXTRA = dict(V2_EXTRA, rope_scaling=None)
 
+V3_FP8_HF = dict(
+    V3_HF, hidden_size=256, intermediate_size=384, moe_intermediate_size=96, q_lora_rank=192,
+    qk_nope_head_dim=64, v_head_dim=64,
+)
+FP8_BLOCK = (128, 128)
+V3_FP8_EXTRA = dict(
+    V3_EXTRA,
+    quantization_config={
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK),
+    },
+)
+
 SPECS = {
     "v3_tiny": dict(
         arch="DeepseekV3ForCausalLM",
@@ -234,7 +252,94 @@ SPECS = {
         rope_order="interleaved",
         router_std=4.0,  # wider softmax: group and expert choices far from ties
     ),
+    "v3_fp8_tiny": dict(
+        arch="DeepseekV3ForCausalLM",
+        model_cls=DeepseekV3ForCausalLM,
+        config_cls=DeepseekV3Config,
+        hf=V3_FP8_HF,
+        extra=V3_FP8_EXTRA,
+        n_shards=2,
+        base_seed=6000,
+        rope_order="split",
+        fp8=True,
+    ),
 }
+
+
+# --------------------------------------------------------------------------------------
+# FP8 block quantization (the recipe of DeepSeek-V3's release and transformers' FineGrainedFP8)
+# --------------------------------------------------------------------------------------
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def is_fp8_linear(name: str) -> bool:
+    """Which tensors DeepSeek-V3 ships in FP8: every linear inside the decoder layers except the router."""
+    return name.startswith("model.layers.") and name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
+
+
+def quantize_block_fp8(w: torch.Tensor, block=FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (possibly partial) block: scale = 448 / amax, q = e4m3(clamp(w * scale)), scale_inv = 1 / scale."""
+    rows, cols = w.shape
+    bm, bn = block
+    gr, gc = -(-rows // bm), -(-cols // bn)
+    padded = torch.zeros(gr * bm, gc * bn, dtype=torch.float32)
+    padded[:rows, :cols] = w
+    tiles = padded.reshape(gr, bm, gc, bn)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
+    q = torch.clamp(tiles * scale[:, None, :, None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(gr * bm, gc * bn)[:rows, :cols].contiguous(), (1.0 / scale).to(torch.float32)
+
+
+def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block=FP8_BLOCK) -> torch.Tensor:
+    rows, cols = q.shape
+    s = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return q.to(torch.float32) * s
+
+
+def fp8_checkpoint(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint as stored: FP8 linears with their `weight_scale_inv`, the rest unchanged."""
+    out = {}
+    for name, t in ckpt.items():
+        if is_fp8_linear(name):
+            out[name], out[name + "_scale_inv"] = quantize_block_fp8(t)
+        else:
+            out[name] = t
+    return out
+
+
+def dequantized(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a loader must reconstruct from the stored FP8 checkpoint (the reference's weights)."""
+    return {
+        name: dequantize_block_fp8(t, stored[name + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn else t
+        for name, t in stored.items()
+        if not name.endswith("_scale_inv")
+    }
+
+
+def check_fp8_recipe_against_transformers(stored: dict[str, torch.Tensor], ckpt: dict[str, torch.Tensor]):
+    """Our block quantizer equals transformers' FineGrainedFP8 one, and our dequantization equals
+    transformers' Fp8Dequantize, on every tensor whose shape is a whole number of blocks (the only
+    ones transformers handles: it derives the block from the scale grid)."""
+    from types import SimpleNamespace
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
+
+    quantizer = SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=FP8_BLOCK))
+    checked = 0
+    for name, q in stored.items():
+        if q.dtype != torch.float8_e4m3fn or q.shape[0] % FP8_BLOCK[0] or q.shape[1] % FP8_BLOCK[1]:
+            continue
+        theirs = Fp8Quantize(quantizer)._quantize_one(name, ckpt[name])
+        assert torch.equal(theirs[name].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(theirs[name + "_scale_inv"], stored[name + "_scale_inv"]), name
+        deq = Fp8Dequantize(quantizer)._dequantize_one(q, stored[name + "_scale_inv"], torch.float32)
+        assert torch.equal(deq, dequantize_block_fp8(q, stored[name + "_scale_inv"])), name
+        checked += 1
+    assert checked > 0
+    return checked
 
 # Keys of the original DeepSeek config.json files, in the order they appear there.
 DEEPSEEK_KEYS = [
@@ -672,6 +777,8 @@ def trial(spec, cfg, seed):
     ckpt = random_checkpoint(
         cfg, seed, spec.get("bias_range", (0.0, 0.1)), spec.get("router_std", ROUTER_STD_TIMES_SQRT_H)
     )
+    if spec.get("fp8"):  # the reference runs on exactly what the FP8 file encodes
+        ckpt = dequantized(fp8_checkpoint(ckpt))
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, PROMPT_LEN).tolist()
     model = build_model(spec, cfg, ckpt)
     rec = RouterRecorder(model, cfg)
@@ -736,13 +843,31 @@ def make_fixture(name: str):
     ref["softmax_scale"] = np.array(softmax_scale, np.float32)
 
     out_dir = FIXTURES / name
-    write_fixture(out_dir, spec, cfg, ckpt)
+    stored = ckpt
+    if spec.get("fp8"):
+        original = random_checkpoint(
+            cfg, seed, spec.get("bias_range", (0.0, 0.1)), spec.get("router_std", ROUTER_STD_TIMES_SQRT_H)
+        )
+        stored = fp8_checkpoint(original)
+        n_checked = check_fp8_recipe_against_transformers(stored, original)
+        assert all(torch.equal(v, ckpt[k]) for k, v in dequantized(stored).items())
+        err = max(float((dequantized(stored)[k] - original[k]).abs().max() / original[k].abs().max())
+                  for k in stored if stored[k].dtype == torch.float8_e4m3fn)
+        print(f"[{name}] FP8: {sum(v.dtype == torch.float8_e4m3fn for v in stored.values())} tensors, "
+              f"{n_checked} checked against transformers' FineGrainedFP8; max quantization error {err:.3f} of amax")
+    write_fixture(out_dir, spec, cfg, stored)
     np.savez(out_dir / "reference.npz", **ref)
 
     # --- the folder round-trips: tensors, and from_pretrained (HF's own per-expert -> fused conversion)
     reloaded_ckpt = load_checkpoint_folder(out_dir)
-    assert set(reloaded_ckpt) == set(ckpt)
-    assert all(torch.equal(reloaded_ckpt[k], ckpt[k]) for k in ckpt)
+    assert set(reloaded_ckpt) == set(stored)
+    assert all(torch.equal(reloaded_ckpt[k].view(torch.uint8), stored[k].view(torch.uint8)) for k in stored)
+    if spec.get("fp8"):
+        # transformers' FP8 loader derives the block from the scale grid, so it cannot read the
+        # partial edge blocks every DeepSeek-V3 checkpoint has (576-row kv_a_proj); the model it
+        # would build is `model` above, whose weights are the dequantized tensors.
+        return _summary(name, seed, ckpt, out_dir, rec, route_margin, greedy_margin, err_prefill, err_decode,
+                        moe_err, att, softmax_scale, cfg, spec, ref)
     m2 = spec["model_cls"].from_pretrained(
         out_dir, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
     ).eval()
@@ -758,7 +883,12 @@ def make_fixture(name: str):
     for k, v in to_hf_state_dict(ckpt, cfg).items():
         assert torch.equal(sd2[k], v), k
 
-    # --- summary
+    _summary(name, seed, ckpt, out_dir, rec, route_margin, greedy_margin, err_prefill, err_decode,
+             moe_err, att, softmax_scale, cfg, spec, ref)
+
+
+def _summary(name, seed, ckpt, out_dir, rec, route_margin, greedy_margin, err_prefill, err_decode,
+             moe_err, att, softmax_scale, cfg, spec, ref):
     n_params = sum(t.numel() for t in ckpt.values())
     files = sorted(out_dir.iterdir())
     sizes = {f.name: f.stat().st_size for f in files}

@@ -11,7 +11,10 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splash_jax.weights.fp8 import BlockFp8
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -96,6 +99,8 @@ class ModelConfig:
     # Array sizes when the loader padded for a device count; None = the architecture's sizes.
     # Every other field keeps the real architecture (what config.json says).
     padding: ArraySizes | None = None
+    # FP8 block scheme of the checkpoint's weights (dequantized on load); None = float checkpoint.
+    weight_quant: "BlockFp8 | None" = None
 
     # --- derived numbers ------------------------------------------------------------
     @property
@@ -228,6 +233,12 @@ class ModelConfig:
         # transformers' DeepseekV2 never renormalizes the top-k weights, whatever the config says.
         norm_topk_prob = bool(get("norm_topk_prob", False)) and is_v3
 
+        from splash_jax.weights.fp8 import parse_quantization_config
+
+        try:
+            weight_quant = parse_quantization_config(raw.get("quantization_config"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -261,6 +272,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
+            weight_quant=weight_quant,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from splash_jax.simple_generate import SingleRequestRunner
 from splash_jax.weights.loader import load_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
-NAMES = ["v3_tiny", "v2lite_tiny", "v3_groupmask_tiny", "v2_group_tiny"]
+NAMES = ["v3_tiny", "v2lite_tiny", "v3_groupmask_tiny", "v2_group_tiny", "v3_fp8_tiny"]
 
 
 def max_rel_err(a, b):

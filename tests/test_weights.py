@@ -111,9 +111,9 @@ def test_wrong_shape_is_named(tmp_path):
 def test_unknown_dtype_is_named(tmp_path):
     dst = _copy_fixture(tmp_path)
 
-    # Same shape, an FP8 dtype this loader does not dequantize: caught at validation, by name.
+    # Same shape, an FP8 tensor in a checkpoint without quantization_config: caught at validation, by name.
     _rewrite_header(dst / "model.safetensors", lambda h: h["model.norm.weight"].update(dtype="F8_E4M3"))
-    with pytest.raises(CheckpointError, match=r"tensor 'model\.norm\.weight' has unsupported dtype F8_E4M3"):
+    with pytest.raises(CheckpointError, match=r"tensor 'model\.norm\.weight' is FP8 but config.json has no quantization_config"):
         load_model(dst, OPTS)
 
 

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from splash_jax.model import DeepseekForCausalLM, RuntimeOptions
 from splash_jax.model_config import ModelConfig
+from splash_jax.weights.fp8 import DequantizingReader
 from splash_jax.weights.hf_names import param_sources
 from splash_jax.weights.padding import padding_report, zero_pad_to
 from splash_jax.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
@@ -80,11 +81,14 @@ def load_model(
 
         state = restore_state(path / "orbax", abstract, sharding_for)
     else:
-        state = _safetensors_state(cfg, SafetensorsCheckpoint(path), abstract, sharding_for, options)
+        ckpt = DequantizingReader(SafetensorsCheckpoint(path), cfg.weight_quant)
+        if cfg.weight_quant is not None:
+            log.info("FP8 checkpoint (%dx%d blocks): dequantized to %s on load", *cfg.weight_quant.block, options.dtype)
+        state = _safetensors_state(cfg, ckpt, abstract, sharding_for, options)
     return nnx.merge(graphdef, state)
 
 
-def _safetensors_state(cfg, ckpt: SafetensorsCheckpoint, abstract, sharding_for, options):
+def _safetensors_state(cfg, ckpt: DequantizingReader, abstract, sharding_for, options):
     sources = param_sources(cfg)
     flat = nnx.to_flat_state(abstract)
     # Validate every tensor up front: one clear error before any device memory is used.
@@ -98,6 +102,7 @@ def _safetensors_state(cfg, ckpt: SafetensorsCheckpoint, abstract, sharding_for,
                 raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape} from config.json")
             ckpt.check_dtype(name)
     used = {n for s in sources.values() for n in s.names}
+    used |= {c for n in list(used) for c in ckpt.companions(n)}
     unused = [n for n in ckpt.names() if n not in used]
     if unused:
         log.info("ignoring %d checkpoint tensors not used by this model (e.g. %s)", len(unused), unused[0])

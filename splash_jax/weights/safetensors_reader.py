@@ -25,6 +25,7 @@ DTYPES = {
     "I8": np.int8,
     "U8": np.uint8,
     "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # block-quantized weights; weights/fp8.py dequantizes them
 }
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -67,6 +68,9 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._meta(name)["shape"])
 
+    def dtype_name(self, name: str) -> str:
+        return self._meta(name)["dtype"]
+
     def check_dtype(self, name: str) -> str:
         dtype_name = self._meta(name)["dtype"]
         if dtype_name not in FLOAT_DTYPES:
@@ -76,10 +80,17 @@ class SafetensorsCheckpoint:
         return dtype_name
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor as a (memory-mapped, read-only) numpy array."""
+        """The tensor as a (memory-mapped, read-only) numpy array; float dtypes only."""
+        self.check_dtype(name)
+        return self.read_raw(name)
+
+    def read_raw(self, name: str) -> np.ndarray:
+        """Any stored dtype this reader knows (FP8 included), memory-mapped and read-only."""
         meta = self._meta(name)
         path = self._entries[name][0]
-        dtype_name = self.check_dtype(name)
+        dtype_name = meta["dtype"]
+        if dtype_name not in DTYPES:
+            raise CheckpointError(f"tensor {name!r} has unknown dtype {dtype_name}")
         if path not in self._maps:
             self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         start, end = meta["data_offsets"]
