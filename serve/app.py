@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -13,8 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import serve.routes
+from serve.body_limit import BodyLimit
 from serve.config import ServerConfig
-from serve.context import ServerContext
+from serve.context import EngineFacts, ServerContext
 from serve.errors import error_body, install_error_handlers
 from serve.metrics import ServerMetrics
 from serve.outputs import TokenText
@@ -34,10 +36,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, shutdown_
     config = config or ServerConfig()
     folder = model_folder(engine)
     metrics = ServerMetrics(engine.stats)
+    pool = concurrent.futures.ThreadPoolExecutor(config.limits.tokenizer_threads, thread_name_prefix="splash-tokenize")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        pool.shutdown(wait=False, cancel_futures=True)
         if shutdown_engine:
             log.info("stopping the engine")
             await asyncio.to_thread(engine.shutdown)
@@ -49,8 +53,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, shutdown_
         served_model_names=config.served_model_name or [folder.resolve().name],
         model_root=str(folder),
         token_text=TokenText(engine.tokenizer),
+        limits=config.limits,
+        facts=EngineFacts.of(engine),
+        pool=pool,
     )
     install_error_handlers(app, on_error=lambda status: metrics.errors.labels(str(status)).inc())
+    app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes, on_reject=lambda: metrics.errors.labels("413").inc())
     if config.api_key:
         _require_api_key(app, config.api_key, metrics)
     app.include_router(serve.routes.router)

@@ -15,12 +15,12 @@ from serve.context import SSE_DONE, ServerContext, sse, usage
 from serve.disconnect import SSEResponse, unless_disconnected
 from serve.errors import APIError
 from serve.outputs import ChoiceState, chat_logprobs
-from serve.params import check_chat, make_choices, sampling_params
+from serve.params import FieldNames, check_chat, make_choices, sampling_params
 from serve.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessage,
     ChatResponseMessage, ChatStreamChoice,
 )
-from splash_jax.engine.request import Request
+from splash_jax.engine.request import Request, SamplingParams
 
 
 def _message_text(i: int, message: ChatMessage) -> str:
@@ -29,13 +29,13 @@ def _message_text(i: int, message: ChatMessage) -> str:
     parts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
-            raise APIError(f"messages[{i}]: content parts of type {part.type!r} are not supported (text only)", param="messages")
+            raise APIError(f"messages[{i}]: content parts of type {part.type[:40]!r} are not supported (text only)", param="messages")
         parts.append(part.text)
     return "".join(parts)
 
 
 def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
-    """Token ids of the rendered chat template; the template writes any BOS itself."""
+    """Token ids of the rendered chat template (blocking); the template writes any BOS itself."""
     tokenizer = ctx.engine.tokenizer
     if tokenizer is None:
         raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions with token ids", 400)
@@ -44,36 +44,44 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
     except jinja2.TemplateError as e:
         raise APIError(f"the chat template rejected the messages: {e}", param="messages") from e
-    return tokenizer.encode(text, add_bos=False)
+    ids = tokenizer.encode(text, add_bos=False)
+    if not ids:
+        raise APIError("the rendered chat prompt is empty", param="messages")
+    return ids
+
+
+def _prepare(ctx: ServerContext, body: ChatCompletionRequest, params: SamplingParams, max_tokens, rid: str, names: FieldNames):
+    return make_choices(ctx, render_prompt(ctx, body), params, body.n, max_tokens, rid, 0, names)
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw: HTTPRequest) -> Response:
-    check_chat(body)
+    check_chat(ctx, body)
     model = ctx.resolve_model(body.model)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    given = body.max_completion_tokens is not None
+    names = FieldNames(prompt="messages", max_tokens="max_completion_tokens" if given else "max_tokens", logprobs="top_logprobs")
+    max_tokens = body.max_completion_tokens if given else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, logprobs)
+    params = sampling_params(ctx, body, max_tokens, logprobs, names)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    requests = make_choices(ctx.engine, render_prompt(ctx, body), params, body.n, max_tokens, rid, 0)
-    states = {r.request_id: ChoiceState(i, tuple(params.stop)) for i, r in enumerate(requests)}
+    requests = await ctx.run_blocking(_prepare, ctx, body, params, max_tokens, rid, names)
+    states = ctx.choice_states(requests)
     if body.stream:
         return SSEResponse(_stream(ctx, body, model, rid, requests, states))
 
-    finals = await unless_disconnected(raw, ctx.final_outputs(requests))
-    if finals is None:
+    results = await unless_disconnected(raw, ctx.accumulated(requests, states))
+    if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
     for r in requests:
-        state, out = states[r.request_id], finals[r.request_id]
-        delta = state.advance(out)
+        state, result = states[r.request_id], results[r.request_id]
         choices.append(ChatChoice(
             index=state.index,
-            message=ChatResponseMessage(content=delta.text),
-            logprobs=chat_logprobs(delta, ctx.token_text),
-            finish_reason=delta.finish_reason,
-            token_ids=delta.token_ids if body.return_token_ids else None,
+            message=ChatResponseMessage(content=result.text),
+            logprobs=chat_logprobs(result.as_delta(), ctx.token_text),
+            finish_reason=result.finish_reason,
+            token_ids=result.token_ids if body.return_token_ids else None,
         ))
-    total = sum(len(o.token_ids) for o in finals.values())
+    total = sum(len(a.token_ids) for a in results.values())
     return Response(
         ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(requests, body.n, total)).model_dump_json(),
         media_type="application/json",

@@ -11,55 +11,50 @@ from fastapi.responses import Response
 
 from serve.context import SSE_DONE, ServerContext, sse, usage
 from serve.disconnect import SSEResponse, unless_disconnected
-from serve.errors import APIError
 from serve.outputs import ChoiceState, completion_logprobs
-from serve.params import check_completion, make_choices, sampling_params
+from serve.params import FieldNames, check_completion, make_choices, sampling_params
 from serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from splash_jax.engine.request import Request
+from splash_jax.engine.request import Request, SamplingParams
+
+NAMES = FieldNames()
 
 
-def _prompts(prompt) -> list[str | list[int]]:
-    """OpenAI's four prompt forms: a string, a list of strings, token ids, lists of token ids."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
-        return [prompt]
-    return list(prompt)
-
-
-async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: HTTPRequest) -> Response:
-    check_completion(body)
-    model = ctx.resolve_model(body.model)
-    params = sampling_params(body, body.max_tokens, body.logprobs)
-    rid = f"cmpl-{uuid.uuid4().hex}"
+def _prepare(ctx: ServerContext, body: CompletionRequest, prompts, params: SamplingParams, rid: str):
+    """Tokenize and build the engine requests (on a tokenizer thread); the echo texts."""
     requests: list[Request] = []
     echo: list[str] = []
-    for p, prompt in enumerate(_prompts(body.prompt)):
-        requests += make_choices(ctx.engine, prompt, params, body.n, body.max_tokens, rid, p * body.n)
+    for p, prompt in enumerate(prompts):
+        requests += make_choices(ctx, prompt, params, body.n, body.max_tokens, rid, p * body.n, NAMES)
         if body.echo:
             text = prompt if isinstance(prompt, str) else ctx.engine.tokenizer.decode(prompt)
             echo += [text] * body.n
-    states = {r.request_id: ChoiceState(i, tuple(params.stop)) for i, r in enumerate(requests)}
+    return requests, echo
+
+
+async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: HTTPRequest) -> Response:
+    prompts = check_completion(ctx, body)
+    model = ctx.resolve_model(body.model)
+    params = sampling_params(ctx, body, body.max_tokens, body.logprobs, NAMES)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    requests, echo = await ctx.run_blocking(_prepare, ctx, body, prompts, params, rid)
+    states = ctx.choice_states(requests)
     if body.stream:
         return SSEResponse(_stream(ctx, body, model, rid, requests, states, echo))
 
-    finals = await unless_disconnected(raw, ctx.final_outputs(requests))
-    if finals is None:
+    results = await unless_disconnected(raw, ctx.accumulated(requests, states))
+    if results is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     choices = []
     for r in requests:
-        state, out = states[r.request_id], finals[r.request_id]
-        delta = state.advance(out)
+        state, result = states[r.request_id], results[r.request_id]
         choices.append(CompletionChoice(
             index=state.index,
-            text=(echo[state.index] if echo else "") + delta.text,
-            logprobs=completion_logprobs(state, delta, ctx.token_text),
-            finish_reason=delta.finish_reason,
-            token_ids=delta.token_ids if body.return_token_ids else None,
+            text=(echo[state.index] if echo else "") + result.text,
+            logprobs=completion_logprobs(state, result.as_delta(), ctx.token_text),
+            finish_reason=result.finish_reason,
+            token_ids=result.token_ids if body.return_token_ids else None,
         ))
-    total = sum(len(o.token_ids) for o in finals.values())
+    total = sum(len(a.token_ids) for a in results.values())
     return Response(
         CompletionResponse(id=rid, model=model, choices=choices, usage=usage(requests, body.n, total)).model_dump_json(),
         media_type="application/json",

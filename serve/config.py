@@ -1,9 +1,28 @@
-"""Server settings: one dataclass, each field also a CLI flag of the same name (as EngineConfig)."""
+"""Server settings: one dataclass, each field also a CLI flag of the same name (as EngineConfig).
+
+The limits bound what one request may ask for, and are checked before any tokenization, so
+no request can make the server (or the engine thread) do unbounded work for it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+
+from splash_jax.engine.config import add_dataclass_args
+
+
+@dataclasses.dataclass
+class ServerLimits:
+    max_body_bytes: int = 8 * 2**20  # HTTP request body (413 above it)
+    max_prompt_chars: int = 1_000_000  # all prompt strings / message texts of a request together
+    max_prompts: int = 128  # prompts in one /v1/completions request
+    max_messages: int = 1024  # chat messages (and content parts per message)
+    max_n: int = 128  # choices per prompt
+    max_choices: int = 256  # prompts x n: engine requests one HTTP request may start
+    max_stop_strings: int = 32  # entries in `stop`
+    max_stop_string_chars: int = 1024  # characters per stop string
+    tokenizer_threads: int = 2  # threads that tokenize, render chat templates and decode echoes
 
 
 @dataclasses.dataclass
@@ -15,6 +34,7 @@ class ServerConfig:
     log_level: str = "info"
     access_log: bool = True  # one log line per HTTP request (uvicorn's access log)
     graceful_shutdown_s: int = 10  # on SIGINT/SIGTERM: how long open requests may finish
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -26,7 +46,9 @@ class ServerConfig:
         group.add_argument("--log-level", default=cls.log_level, choices=["debug", "info", "warning", "error"])
         group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=cls.access_log)
         group.add_argument("--graceful-shutdown-s", type=int, default=cls.graceful_shutdown_s)
+        add_dataclass_args(parser.add_argument_group("request limits"), ServerLimits)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "limits"}, limits=limits)

@@ -1,22 +1,59 @@
-"""What every route needs: the engine, the metrics, the served model names, and the plumbing
-from engine requests to tracked output streams and SSE events."""
+"""What every route needs: the engine, its limits, the metrics, the served model names, the
+tokenizer threads, and the plumbing from engine requests to tracked output streams and SSE events."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
 
 from pydantic import BaseModel
 
+from serve.config import ServerLimits
 from serve.errors import APIError, error_body, to_api_error
 from serve.metrics import ServerMetrics
-from serve.outputs import TokenText
+from serve.outputs import ChoiceAccumulator, ChoiceState, TokenText, stop_token_text
 from serve.protocol import UsageInfo
 from splash_jax.engine.async_engine import AsyncEngine
-from splash_jax.engine.request import Request, RequestOutput
+from splash_jax.engine.request import Request, RequestOutput, SamplingLimits
 
 SSE_DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class EngineFacts:
+    """What admission checks need to know about the engine, read once at start-up."""
+
+    vocab_size: int
+    max_model_len: int
+    sampling_limits: SamplingLimits
+    eos_ids: frozenset[int]
+    supports_penalties: bool  # presence/frequency/repetition, min_p, min_tokens, logit_bias
+    decodes_stop_tokens: bool  # the engine's text still holds a stop token's text (server removes it)
+
+    @classmethod
+    def of(cls, engine: AsyncEngine) -> "EngineFacts":
+        inner = engine.engine
+        config = getattr(inner, "config", None)
+        model_config = getattr(inner, "model_config", None)
+        tokenizer = engine.tokenizer
+        vocab = getattr(model_config, "vocab_size", None) or (tokenizer.vocab_size if tokenizer else 2**31 - 1)
+        defaults = SamplingLimits()
+        limits = SamplingLimits(
+            getattr(config, "max_stop_token_ids", defaults.max_stop_token_ids),
+            getattr(config, "max_logit_bias", defaults.max_logit_bias),
+        )
+        return cls(
+            vocab_size=int(vocab), max_model_len=engine.max_model_len, sampling_limits=limits,
+            eos_ids=frozenset(getattr(inner, "eos_ids", ())),
+            supports_penalties=bool(getattr(inner, "supports_penalties", False)),
+            decodes_stop_tokens=not getattr(inner, "excludes_stop_token_text", False),
+        )
 
 
 @dataclasses.dataclass
@@ -26,6 +63,29 @@ class ServerContext:
     served_model_names: list[str]
     model_root: str
     token_text: TokenText
+    limits: ServerLimits
+    facts: EngineFacts
+    pool: concurrent.futures.ThreadPoolExecutor  # tokenization, chat templates, echo decoding
+
+    @property
+    def vocab_size(self) -> int:
+        return self.facts.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.facts.max_model_len
+
+    @property
+    def sampling_limits(self) -> SamplingLimits:
+        return self.facts.sampling_limits
+
+    @property
+    def supports_penalties(self) -> bool:
+        return self.facts.supports_penalties
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """Run tokenizer-bound work on the tokenizer threads, never on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
 
     def resolve_model(self, name: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -33,10 +93,17 @@ class ServerContext:
             return self.served_model_names[0]
         if name not in self.served_model_names:
             raise APIError(
-                f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self.served_model_names))}",
+                f"the model {name[:200]!r} does not exist; this server serves {', '.join(map(repr, self.served_model_names))}",
                 404, param="model", code="model_not_found",
             )
         return name
+
+    def choice_states(self, requests: Sequence[Request]) -> dict[str, ChoiceState]:
+        tokenizer = self.engine.tokenizer if self.facts.decodes_stop_tokens else None
+        return {
+            r.request_id: ChoiceState(i, stop_token_text=stop_token_text(tokenizer, r.params, self.facts.eos_ids))
+            for i, r in enumerate(requests)
+        }
 
     async def outputs(self, requests: Sequence[Request]) -> AsyncIterator[RequestOutput]:
         """The requests' outputs as they come, counted in the metrics; closing it aborts them."""
@@ -49,13 +116,13 @@ class ServerContext:
         finally:
             tracker.close()
 
-    async def final_outputs(self, requests: Sequence[Request]) -> dict[str, RequestOutput]:
-        finals: dict[str, RequestOutput] = {}
+    async def accumulated(self, requests: Sequence[Request], states: dict[str, ChoiceState]) -> dict[str, ChoiceAccumulator]:
+        """Each request's deltas concatenated, once all have finished (non-streamed responses)."""
+        results = {r.request_id: ChoiceAccumulator() for r in requests}
         async with contextlib.aclosing(self.outputs(requests)) as stream:
             async for out in stream:
-                if out.finished:
-                    finals[out.request_id] = out
-        return finals
+                results[out.request_id].add(states[out.request_id].advance(out))
+        return results
 
     def sse_error(self, exc: BaseException) -> str:
         """An error that happens after a stream started: one SSE event with the error JSON."""

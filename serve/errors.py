@@ -1,9 +1,10 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the matching status.
 
 Every failure path ends here, so clients (the `openai` package maps statuses to exception
-classes) see one shape whatever went wrong: 400 bad values, 401 bad key, 404 unknown model or
-route, 409 refused layout switch, 422 malformed body, 501 unavailable feature, 503 engine
-down, 500 bugs.
+classes) see one shape whatever went wrong: 400 bad values or a malformed body (as OpenAI,
+vLLM and SGLang answer, so clients raise BadRequestError), 401 bad key, 404 unknown model or
+route, 405 wrong method (with `Allow`), 409 refused layout switch, 413 body too large, 501
+unavailable feature, 503 engine down, 500 bugs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",
-    422: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     501: "not_implemented_error",
     503: "service_unavailable_error",
@@ -38,13 +39,24 @@ _TYPES = {
 class APIError(Exception):
     """An error answered to the client as is."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
+        self.message, self.status, self.param, self.code, self.headers = message, status, param, code, headers
+
+
+def printable(text: str) -> str:
+    """Text that always encodes as UTF-8 (a lone surrogate from a client would break the response)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> ErrorResponse:
-    return ErrorResponse(error=ErrorInfo(message=message, type=_TYPES.get(status, "invalid_request_error"), param=param, code=code))
+    return ErrorResponse(error=ErrorInfo(
+        message=printable(message), type=_TYPES.get(status, "invalid_request_error"),
+        param=printable(param) if param is not None else None, code=code,
+    ))
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -52,7 +64,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestError):
-        return APIError(str(exc), 400)
+        return APIError(str(exc), 400, param=getattr(exc, "field", None))
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), 503)
     if isinstance(exc, EngineStepError):
@@ -64,7 +76,8 @@ def to_api_error(exc: BaseException) -> APIError:
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda status: None) -> None:
     def respond(err: APIError) -> JSONResponse:
         on_error(err.status)
-        return JSONResponse(error_body(err.message, err.status, err.param, err.code).model_dump(), status_code=err.status)
+        body = error_body(err.message, err.status, err.param, err.code).model_dump()
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
     @app.exception_handler(RequestError)
@@ -76,14 +89,16 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambd
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_errors(exc.errors())
-        return respond(APIError("malformed request body: " + message, 422, param=param))
+        return respond(APIError(message, 400, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        return respond(APIError(message, exc.status_code))
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return respond(APIError(message, exc.status_code, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -92,11 +107,18 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambd
 
 def describe_validation_errors(errors: Sequence[dict]) -> tuple[str, str | None]:
     """pydantic's errors as one line, one entry per field (a union field fails once per member
-    type; those become one entry naming the accepted types)."""
+    type; those become one entry naming the accepted types). A body that is not JSON at all has
+    no field to name (param null; pydantic's location is a character offset)."""
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            reason = (e.get("ctx") or {}).get("error", "")
+            return "the request body is not valid JSON" + (f" ({reason})" if reason else ""), None
     by_field: dict[str, list[dict]] = {}
     for e in errors:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         by_field.setdefault(loc[0] if loc else "body", []).append({**e, "loc": loc})
+    if not by_field:
+        return "malformed request body", None
     parts = []
     for field, errs in by_field.items():
         if len(errs) > 1 and all(len(e["loc"]) >= 2 for e in errs):
@@ -106,4 +128,4 @@ def describe_validation_errors(errors: Sequence[dict]) -> tuple[str, str | None]
             e = errs[0]
             parts.append(f"{'.'.join(e['loc']) or 'body'}: {e.get('msg', 'invalid')}")
     first = next(iter(by_field))
-    return "; ".join(parts), (first if first != "body" else None)
+    return "malformed request body: " + "; ".join(parts), (first if first != "body" else None)

@@ -74,15 +74,12 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics, requests: Sequence[Request]):
         self.metrics = metrics
         self.start = time.monotonic()
-        self._tokens = {r.request_id: 0 for r in requests}
-        self._open = set(self._tokens)
+        self._open = {r.request_id for r in requests}
         metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
 
     def observe(self, out: RequestOutput) -> None:
-        seen = self._tokens.get(out.request_id, 0)
-        if len(out.token_ids) > seen:
-            self.metrics.generation_tokens.inc(len(out.token_ids) - seen)
-            self._tokens[out.request_id] = len(out.token_ids)
+        if out.delta_token_ids:
+            self.metrics.generation_tokens.inc(len(out.delta_token_ids))
         if out.finished and out.request_id in self._open:
             self._open.discard(out.request_id)
             m = self.metrics

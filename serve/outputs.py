@@ -1,21 +1,18 @@
-"""Engine outputs -> what one OpenAI choice shows: text deltas, token ids, logprobs.
+"""Engine output deltas -> what one OpenAI choice shows: text, token ids, logprobs.
 
-The engine removes a stop string from the text only once it is complete, so a stream that
-forwarded every delta could already have sent its first characters. `ChoiceState` holds back
-any tail of the text that could still become a stop string, so the streamed text always
-equals the final (non-streamed) text.
+The engine sends deltas only, already with any possible stop-string tail held back and a
+matched stop string removed, so a stream forwards them as they come and a non-streamed
+response is the concatenation (`ChoiceAccumulator`): both show the same text.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Collection
 
 from serve.protocol import ChatLogprobs, ChatLogprobToken, CompletionLogprobs, TopLogprob
-from splash_jax.engine.request import RequestOutput
-from splash_jax.engine.stop import stop_prefix_len
+from splash_jax.engine.request import RequestOutput, SamplingParams
 from splash_jax.tokenizer import Tokenizer
-
-
 
 
 class TokenText:
@@ -43,16 +40,13 @@ class TokenText:
             text = f"<{token_id}>"
             return text, text.encode()
         text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        raw = self._raw_bytes(token_id) if "\ufffd" in text else None
+        raw = self._tokenizer.token_bytes(token_id) if "\ufffd" in text else None
         if raw is None:
             return text, text.encode()
         try:
             return raw.decode("utf-8"), raw
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
-
-    def _raw_bytes(self, token_id: int) -> bytes | None:
-        return self._tokenizer.token_bytes(token_id)
 
 
 @dataclasses.dataclass
@@ -63,37 +57,78 @@ class ChoiceDelta:
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
 
-    @property
-    def empty(self) -> bool:
-        return not self.text and not self.token_ids and self.finish_reason is None
+
+def _delta_logprobs(out: RequestOutput) -> tuple[list[float] | None, list[dict[int, float]] | None]:
+    if hasattr(out, "delta_logprobs"):
+        return out.delta_logprobs, out.delta_top_logprobs
+    # TODO(issue 12): engines before delta logprobs send them cumulative; drop this fallback.
+    if out.logprobs is None:
+        return None, None
+    k = len(out.delta_token_ids)
+    return out.logprobs[len(out.logprobs) - k :], (out.top_logprobs or [])[len(out.top_logprobs or []) - k :]
+
+
+StopTokenText = Callable[[RequestOutput], str]
+
+
+def stop_token_text(tokenizer: Tokenizer | None, params: SamplingParams, eos_ids: Collection[int]) -> StopTokenText | None:
+    """The text a stop token (stop_token_ids, or EOS unless ignore_eos) added to a finished
+    output, which vLLM never shows. TODO(issue 12): only needed while the engine still decodes
+    the stop token; once it stops pushing that token into its decoder, drop this."""
+    if tokenizer is None:
+        return None
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+
+    def text(out: RequestOutput) -> str:
+        if out.finish_reason != "stop" or not out.delta_token_ids or isinstance(getattr(out, "stop_reason", None), str):
+            return ""
+        token = out.delta_token_ids[-1]
+        return tokenizer.decode([token]) if token in stop_ids else ""
+
+    return text
 
 
 @dataclasses.dataclass
 class ChoiceState:
-    """What one choice has sent so far."""
+    """One choice of a response: its index, and where its completion logprobs' offsets are."""
 
     index: int
-    stops: tuple[str, ...] = ()
-    text_sent: int = 0
-    tokens_sent: int = 0
     text_offset: int = 0  # completion logprobs: where the next token starts in the choice text
-    finished: bool = False
+    stop_token_text: StopTokenText | None = None  # see stop_token_text()
 
     def advance(self, out: RequestOutput) -> ChoiceDelta:
-        """The part of `out` (cumulative) not sent yet."""
-        text = out.text
-        visible = len(text) if out.finished else len(text) - stop_prefix_len(text, self.stops)
-        delta_text = text[self.text_sent : visible] if visible > self.text_sent else ""
-        self.text_sent = max(self.text_sent, visible)
-        start, self.tokens_sent = self.tokens_sent, len(out.token_ids)
-        self.finished = out.finished
+        text = out.delta_text
+        if out.finished and self.stop_token_text is not None:
+            tail = self.stop_token_text(out)
+            if tail and text.endswith(tail):
+                text = text[: len(text) - len(tail)]
+        logprobs, top = _delta_logprobs(out)
         return ChoiceDelta(
-            text=delta_text,
-            token_ids=out.token_ids[start:],
-            logprobs=out.logprobs[start:] if out.logprobs is not None else None,
-            top_logprobs=out.top_logprobs[start:] if out.top_logprobs is not None else None,
+            text=text, token_ids=list(out.delta_token_ids), logprobs=logprobs, top_logprobs=top,
             finish_reason=out.finish_reason if out.finished else None,
         )
+
+
+@dataclasses.dataclass
+class ChoiceAccumulator:
+    """A non-streamed choice: the concatenation of its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+            self.top_logprobs = (self.top_logprobs or []) + (delta.top_logprobs or [{}] * len(delta.logprobs))
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+    def as_delta(self) -> ChoiceDelta:
+        return ChoiceDelta(self.text, self.token_ids, self.logprobs, self.top_logprobs, self.finish_reason)
 
 
 def completion_logprobs(state: ChoiceState, delta: ChoiceDelta, token_text: TokenText) -> CompletionLogprobs | None:

@@ -1,8 +1,8 @@
 """OpenAI API request and response bodies (the subset splash-jax serves), as pydantic models.
 
-Request models check types only (a wrong type is a malformed body: 422); value checks live in
-`serve.params` and the engine, which answer 400 like OpenAI. Unknown fields are accepted and
-ignored, as OpenAI clients send new fields before servers know them.
+Request models check types only; value checks (ranges, sizes, counts) live in `serve.params`.
+Both answer 400 naming the field, as OpenAI does. Unknown fields are accepted and ignored, as
+OpenAI clients send new fields before servers know them.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class SamplingFields(_Body):
     user: str | None = None
     # extras
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # add token ids to each choice (vLLM's name); used to check outputs

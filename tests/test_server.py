@@ -5,6 +5,7 @@ that free pages, metrics, 200 concurrent streams, and a clean shutdown."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -118,9 +119,10 @@ def reference_engine():
     return Engine(EngineConfig(**ENGINE_ARGS, warmup=False, compile_cache_dir=None))
 
 
-def _greedy(client, prompt, max_tokens=16, **kw):
+def _greedy(client, prompt, max_tokens=16, extra_body=None, **kw):
     return client.completions.create(
-        model="splash-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"return_token_ids": True}, **kw
+        model="splash-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"return_token_ids": True, **(extra_body or {})}, **kw
     )
 
 
@@ -267,13 +269,14 @@ def _error(exc_info) -> dict:
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"temperature": -1}, None),
-    ({"max_tokens": 0}, None),
-    ({"top_p": 0}, None),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0}, "top_p"),
     ({"n": 0}, "n"),
     ({"logprobs": 99}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"extra_body": {"top_k": 1099511627776}}, "top_k"),
+    ({"seed": -(2**63) - 1}, "seed"),
 ])
 def test_bad_parameters_are_400(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -299,18 +302,23 @@ def test_over_long_prompts_are_400(client):
     assert _error(e)["code"] == "context_length_exceeded"
 
 
-def test_malformed_bodies_are_422(server, client):
-    with pytest.raises(openai.UnprocessableEntityError) as e:
+def test_malformed_bodies_are_400(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="splash-tiny", prompt=PROMPT, max_tokens="many")
     assert _error(e)["param"] == "max_tokens"
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="splash-tiny", messages=[{"content": "no role"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="splash-tiny", messages=[{"role": "user", "content": "x"}], max_completion_tokens=0)
+    assert _error(e)["param"] == "max_completion_tokens"
     raw = httpx.post(server.base + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert raw.status_code == 422 and "error" in raw.json()
+    assert raw.status_code == 400 and raw.json()["error"]["param"] is None
     missing = httpx.post(server.base + "/v1/completions", json={"model": "splash-tiny"})
-    assert missing.status_code == 422 and missing.json()["error"]["param"] == "prompt"
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt"
     route = httpx.get(server.base + "/v1/nothing")
     assert route.status_code == 404 and route.json()["error"]["type"] == "not_found_error"
+    method = httpx.get(server.base + "/v1/chat/completions")
+    assert method.status_code == 405 and method.headers["allow"] == "POST"
 
 
 def test_errors_do_not_disturb_other_requests(server, client):
@@ -327,6 +335,87 @@ def test_errors_do_not_disturb_other_requests(server, client):
     assert len({g.choices[0].text for g in good}) == 1 and all(g.choices[0].finish_reason == "length" for g in good)
 
 
+def _raw_completion(http: httpx.Client, body: dict) -> httpx.Response:
+    """POST with the body JSON-escaped to ASCII, as clients send a lone surrogate ("\\ud800")."""
+    return http.post("/v1/completions", content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+def test_the_issue_cases_are_400_and_a_stream_beside_them_is_unchanged(server):
+    body = {"model": "splash-tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with httpx.Client(base_url=server.base, timeout=60) as http:
+        alone = _raw_completion(http, body).json()["choices"][0]["token_ids"]
+    bad = [
+        ({"top_k": 1099511627776}, "top_k"),
+        ({"prompt": "caf\ud800"}, "prompt"),
+        ({"prompt": [[1, 2], [10**9]]}, "prompt"),
+        ({"stop": ["x" * 8000] * 50}, "stop"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"seed": 2**64}, "seed"),
+        ({"logprobs": 10**6}, "logprobs"),
+        ({"n": 10**6}, "n"),
+    ]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as http:
+            stream = asyncio.ensure_future(http.post("/v1/completions", json={**body, "stream": False}))
+            answers = []
+            for fields, _ in bad:
+                answers.append(await http.post("/v1/completions", content=json.dumps({**body, **fields}).encode(),
+                                               headers={"content-type": "application/json"}))
+            return (await stream).json(), answers
+
+    beside, answers = asyncio.run(main())
+    for response, (fields, param) in zip(answers, bad):
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (fields, response.text)
+    assert beside["choices"][0]["token_ids"] == alone
+    with httpx.Client(base_url=server.base, timeout=60) as http:  # the same keep-alive connection goes on
+        chat = http.post("/v1/chat/completions", content=json.dumps(
+            {"messages": [{"role": "user", "content": "\udfff"}]}).encode(), headers={"content-type": "application/json"})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+        assert _raw_completion(http, {**body, "max_tokens": 2}).status_code == 200
+
+
+def test_huge_prompts_do_not_stall_health(server):
+    """A 5 MB prompt is refused before tokenizing; one just under the character limit is
+    tokenized on a tokenizer thread. /health answers within 100 ms all along."""
+    huge = "Latent attention caches one compressed vector per token. " * 90_000  # 5.1 MB
+    large = huge[: 990_000]
+
+    async def probe(prompt: str) -> tuple[httpx.Response, list[float]]:
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as http:
+            await http.get("/health")  # the connection is open before timing starts
+            task = asyncio.ensure_future(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
+            latencies = []
+            while not task.done():
+                t0 = time.perf_counter()
+                assert (await http.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.01)
+            return await task, latencies
+
+    for prompt, message in ((huge, "characters"), (large, "maximum model length")):
+        response, latencies = asyncio.run(probe(prompt))
+        assert response.status_code == 400 and message in response.json()["error"]["message"]
+        assert max(latencies) < 0.1, (len(prompt), sorted(latencies)[-5:])
+
+
+def test_stop_token_ids_end_the_output_without_their_text(client):
+    full = _greedy(client, PROMPT, max_tokens=24)
+    ids = full.choices[0].token_ids
+    k = next((i for i in range(2, len(ids)) if ids[i] not in ids[:i]), None)
+    if k is None:
+        pytest.skip(f"no fresh token to stop on in {ids}")
+    head = _greedy(client, PROMPT, max_tokens=k).choices[0]
+    stopped = _greedy(client, PROMPT, max_tokens=24, extra_body={"stop_token_ids": [ids[k]]}).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == ids[: k + 1]  # the id is reported...
+    assert stopped.text == head.text  # ...its text is not
+    chunks = list(client.completions.create(
+        model="splash-tiny", prompt=PROMPT, max_tokens=24, temperature=0, stream=True, extra_body={"stop_token_ids": [ids[k]]}
+    ))
+    assert "".join(c.choices[0].text for c in chunks) == head.text
+
+
 # --- disconnects, metrics, layout ----------------------------------------------------------
 def test_client_disconnect_aborts_and_frees_pages(server):
     aborted = server.metric('splash_requests_total{finish_reason="abort"}', default=0.0)
@@ -341,7 +430,8 @@ def test_client_disconnect_aborts_and_frees_pages(server):
     assert server.metric('splash_requests_total{finish_reason="abort"}') == aborted + 1 + 32
 
 
-def test_metrics_and_layout(server):
+def test_metrics_and_layout(server, client):
+    _greedy(client, PROMPT, max_tokens=2)  # this test's own traffic: it must pass alone
     text = httpx.get(server.base + "/metrics").text
     for name in ("splash_requests_total", "splash_prompt_tokens_total", "splash_generation_tokens_total",
                  "splash_time_to_first_token_seconds_bucket", "splash_time_per_output_token_seconds_bucket",

@@ -1,9 +1,10 @@
 """The server's parts without a model: AsyncEngine's threading contract on a fake engine,
-stop-string hold-back in streamed text, error shapes, the API key."""
+request validation and limits (400s naming the request's field), error shapes, the API key."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import types
@@ -12,11 +13,13 @@ import httpx
 import pytest
 
 from serve.app import build_app
-from serve.config import ServerConfig
+from serve.config import ServerConfig, ServerLimits
 from serve.errors import describe_validation_errors
-from serve.outputs import ChoiceState, stop_prefix_len
 from splash_jax.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingParams
+
+
+VOCAB = 1000
 
 
 class FakeSwitch:
@@ -44,6 +47,7 @@ class FakeEngine:
         self.step_s = step_s
         self.requests: dict[str, Request] = {}
         self.aborted: list[str] = []
+        self.finished: list[Request] = []
         self.threads: set[int] = set()
         self.fail_next_step = False
         self.scheduler = types.SimpleNamespace(waiting=[])
@@ -51,14 +55,23 @@ class FakeEngine:
         self.layout, self.switch, self.switches = "tp", None, 0
         self.tokenizer = None
         self.max_model_len = 1000
+        self.model_config = types.SimpleNamespace(vocab_size=VOCAB)
+        self.eos_ids = {2}
+        self.tokenize_s = 0.0  # simulated tokenization time (blocks the calling thread)
         self.ids = 0
         self.num_steps = 0
 
     def make_request(self, prompt, params=None, request_id=None) -> Request:
+        params = params or SamplingParams()
+        params.validate(VOCAB)
         if not prompt:
             raise RequestError("the prompt is empty")
+        time.sleep(self.tokenize_s)
+        ids = [ord(c) % VOCAB for c in prompt] if isinstance(prompt, str) else list(prompt)
+        if any(not 0 <= t < VOCAB for t in ids):
+            raise RequestError("prompt token id outside the vocabulary")
         self.ids += 1
-        return Request(request_id or f"fake-{self.ids}", list(prompt), params or SamplingParams())
+        return Request(request_id or f"fake-{self.ids}", ids, params)
 
     def add_request(self, request: Request) -> str:
         self.threads.add(threading.get_ident())
@@ -101,8 +114,11 @@ class FakeEngine:
             done = len(r.output_ids) >= r.params.max_tokens
             if done:
                 del self.requests[r.request_id]
+                self.finished.append(r)
             outputs.append(RequestOutput(
-                r.request_id, r.prompt_ids, list(r.output_ids), "", "", r.output_ids[-1:], done, "length" if done else None
+                request_id=r.request_id, prompt_ids=r.prompt_ids, token_ids=list(r.output_ids), text="",
+                delta_text=f"<{r.output_ids[-1]}>", delta_token_ids=r.output_ids[-1:], finished=done,
+                finish_reason="length" if done else None,
             ))
         return outputs
 
@@ -121,6 +137,10 @@ def fake():
     aengine.shutdown()
 
 
+def _ids(outs) -> list[int]:
+    return [t for o in outs for t in o.delta_token_ids]
+
+
 async def _collect(aengine, prompt, max_tokens, request_id=None):
     return [o async for o in aengine.generate(prompt, SamplingParams(max_tokens=max_tokens), request_id)]
 
@@ -133,11 +153,11 @@ def test_concurrent_requests_complete_and_steps_stay_on_the_engine_thread(fake):
 
     results = asyncio.run(main())
     for i, outs in enumerate(results):
-        assert [o.token_ids for o in outs] == [list(range(k)) for k in range(1, 4 + i % 5)]
+        assert [o.delta_token_ids for o in outs] == [[k] for k in range(3 + i % 5)]
         assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert engine.threads == {aengine._thread.ident}
     # A second event loop (a notebook cell after another) is served the same way.
-    assert asyncio.run(_collect(aengine, [1], 2))[-1].token_ids == [0, 1]
+    assert _ids(asyncio.run(_collect(aengine, [1], 2))) == [0, 1]
 
 
 def test_closing_the_stream_aborts_the_request(fake):
@@ -145,8 +165,10 @@ def test_closing_the_stream_aborts_the_request(fake):
 
     async def main():
         stream = aengine.generate([1], SamplingParams(max_tokens=10_000), "leaver")
+        seen = 0
         async for out in stream:
-            if len(out.token_ids) == 3:
+            seen += len(out.delta_token_ids)
+            if seen == 3:
                 break
         await stream.aclose()
         for _ in range(200):
@@ -185,7 +207,7 @@ def test_a_failed_step_fails_its_requests_and_the_loop_keeps_serving(fake):
         return await _collect(aengine, [1], 4)
 
     after = asyncio.run(main())
-    assert after[-1].token_ids == [0, 1, 2, 3]
+    assert _ids(after) == [0, 1, 2, 3]
     assert aengine.num_step_errors == 1 and aengine.stats()["step_errors"] == 1
     assert "victim" in engine.aborted
 
@@ -200,7 +222,7 @@ def test_a_rejected_request_fails_alone(fake):
             await _collect(aengine, [1], 2, "dup")
         return await first
 
-    assert asyncio.run(main())[-1].token_ids == list(range(200))
+    assert _ids(asyncio.run(main())) == list(range(200))
 
 
 def test_abort_from_outside_ends_the_stream_with_abort(fake):
@@ -216,7 +238,7 @@ def test_abort_from_outside_ends_the_stream_with_abort(fake):
 
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
-    assert outs[-1].token_ids[:2] == [0, 1]
+    assert _ids(outs)[:2] == [0, 1]
 
 
 def test_call_runs_on_the_engine_thread(fake):
@@ -244,46 +266,31 @@ def test_shutdown_ends_running_streams_and_refuses_new_ones():
         asyncio.run(_collect(aengine, [1], 2))
 
 
-# --- streamed text never shows a stop string the engine will cut -------------------------
-def test_stop_prefix_len():
-    assert stop_prefix_len("hello wor", ("world",)) == 3
-    assert stop_prefix_len("hello", ("xy",)) == 0
-    assert stop_prefix_len("abcab", ("abc", "b")) == 2  # "ab" could still become "abc"
-
-
-def _out(text: str, n: int, finished: bool = False, reason: str | None = None) -> RequestOutput:
-    return RequestOutput("r", [], list(range(n)), text, "", [], finished, reason)
-
-
-def test_choice_state_holds_back_a_possible_stop_string():
-    state = ChoiceState(0, ("STOP",))
-    sent = [state.advance(_out("Hello S", 2)).text, state.advance(_out("Hello ST", 3)).text]
-    # The engine found "STOP" and cut it: the client must end with exactly the final text.
-    final = state.advance(_out("Hello ", 4, True, "stop"))
-    assert "".join(sent) + final.text == "Hello "
-    assert final.finish_reason == "stop" and final.token_ids == [3]
-    state = ChoiceState(0, ("STOP",))
-    sent = [state.advance(_out("Hello S", 2)).text, state.advance(_out("Hello Sun", 3, True, "length")).text]
-    assert "".join(sent) == "Hello Sun"
-
-
 def test_validation_errors_name_the_field_once():
     errors = [
         {"loc": ("body", "prompt", "str"), "msg": "Input should be a valid string"},
         {"loc": ("body", "prompt", "list[int]"), "msg": "Input should be a valid list"},
     ]
     message, param = describe_validation_errors(errors)
-    assert message == "prompt: expected one of str, list[int]" and param == "prompt"
+    assert message == "malformed request body: prompt: expected one of str, list[int]" and param == "prompt"
 
 
 # --- the app without a model ---------------------------------------------------------------
+def _ascii_json(kw: dict) -> dict:
+    """JSON bodies with ASCII escapes, as clients send them (httpx cannot encode a lone surrogate)."""
+    if "json" not in kw:
+        return kw
+    kw = dict(kw)
+    return {**kw, "content": json.dumps(kw.pop("json")).encode(), "headers": {"content-type": "application/json"}}
+
+
 def _ask(app, *calls):
     """Run (method, path, kwargs) calls against the app in-process; their responses."""
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            return [await client.request(method, path, **kw) for method, path, kw in calls]
+            return [await client.request(method, path, **_ascii_json(kw)) for method, path, kw in calls]
 
     return asyncio.run(main())
 
@@ -319,3 +326,146 @@ def test_layout_switch_routes(fake):
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "layout"
     assert "splash_layout_switches_total 1.0" in metrics.text and 'splash_layout_info{layout="dp"} 1.0' in metrics.text
     assert engine.threads == {aengine._thread.ident}  # switch_layout ran on the engine thread
+
+
+# --- admission: every field bounded, 400s naming the request's own field ---------------------
+def _completion(**fields) -> tuple[str, str, dict]:
+    return ("POST", "/v1/completions", {"json": {"prompt": [1, 2, 3], "max_tokens": 3, **fields}})
+
+
+def _chat(**fields) -> tuple[str, str, dict]:
+    return ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}], **fields}})
+
+
+BAD_REQUESTS = [
+    (_completion(top_k=1099511627776), "top_k"),  # the issue's case: overflowed an int32 in the step
+    (_completion(top_k=VOCAB + 1), "top_k"),
+    (_completion(top_k=-2), "top_k"),
+    (_completion(seed=2**64), "seed"),
+    (_completion(n=0), "n"),
+    (_completion(n=129), "n"),
+    (_completion(n=100, prompt=[[1], [2], [3]]), "prompt"),  # 300 choices > max_choices
+    (_completion(best_of=3), "best_of"),
+    (_completion(max_tokens=0), "max_tokens"),
+    (_completion(max_tokens=10**30), "max_tokens"),  # context_length_exceeded
+    (_completion(temperature=-1), "temperature"),
+    (_completion(temperature=1e300), "temperature"),
+    (_completion(top_p=0), "top_p"),
+    (_completion(logprobs=21), "logprobs"),
+    (_completion(stop=["x"] * 33), "stop"),
+    (_completion(stop="x" * 1025), "stop"),
+    (_completion(stop=[""]), "stop"),
+    (_completion(stop=["ok\ud800"]), "stop"),
+    (_completion(stop_token_ids=list(range(17))), "stop_token_ids"),
+    (_completion(stop_token_ids=[VOCAB]), "stop_token_ids"),
+    (_completion(prompt="abc\ud800def"), "prompt"),  # a lone surrogate: was a 500
+    (_completion(prompt=["fine", "x" * 1_000_001]), "prompt"),
+    (_completion(prompt=[[1, 2], [VOCAB + 5]]), "prompt"),
+    (_completion(prompt=list(range(1000))), "prompt"),  # >= max_model_len tokens
+    (_completion(prompt=[[]]), "prompt"),
+    (_completion(prompt=[]), "prompt"),
+    (_completion(prompt=[["a"]]), "prompt"),  # wrong type
+    (_completion(max_tokens="many"), "max_tokens"),
+    (_completion(stream_options={"include_usage": True}), "stream_options"),
+    (_completion(presence_penalty=0.5), "presence_penalty"),  # this engine build has no penalties
+    (_completion(logit_bias={"5": 1}), "logit_bias"),
+    (_completion(min_tokens=2), "min_tokens"),
+    (_completion(model="gpt-\ud800"), "model"),  # 404, the name escaped in the message
+    (_chat(max_completion_tokens=0), "max_completion_tokens"),
+    (_chat(max_tokens=0), "max_tokens"),
+    (_chat(logprobs=True, top_logprobs=30), "top_logprobs"),
+    (_chat(messages=[{"role": "user", "content": "bad \udfff"}]), "messages"),
+    (_chat(messages=[{"role": "user", "content": "hi"}] * 1025), "messages"),
+    (_chat(messages=[]), "messages"),
+    (_chat(messages=[{"content": "no role"}]), "messages"),
+]
+
+
+@pytest.mark.parametrize("call, param", BAD_REQUESTS, ids=[f"{i}-{p}" for i, (_, p) in enumerate(BAD_REQUESTS)])
+def test_bad_fields_answer_400_naming_the_field(fake, call, param):
+    engine, aengine = fake
+    app = build_app(aengine, ServerConfig(served_model_name=["fake"]))
+    (response,) = _ask(app, call)
+    body = response.json()
+    assert response.status_code == (404 if param == "model" else 400), body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == param and body["error"]["message"], body
+    assert not engine.requests and not engine.aborted  # nothing reached the engine
+
+
+def test_malformed_bodies_405_and_413(fake):
+    engine, aengine = fake
+    app = build_app(aengine, ServerConfig(served_model_name=["fake"], limits=ServerLimits(max_body_bytes=1000)))
+
+    async def chunked():
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * 100
+        yield b'"}'
+
+    not_json, not_object, wrong_method, too_big, too_big_chunked, ok = _ask(
+        app,
+        ("POST", "/v1/completions", {"content": b'{"prompt": [1, 2', "headers": {"content-type": "application/json"}}),
+        ("POST", "/v1/completions", {"json": [1, 2]}),
+        ("GET", "/v1/completions", {}),
+        ("POST", "/v1/completions", {"json": {"prompt": "x" * 2000}}),
+        ("POST", "/v1/completions", {"content": chunked(), "headers": {"content-type": "application/json"}}),
+        ("POST", "/v1/completions", {"json": {"prompt": [1], "max_tokens": 2}}),
+    )
+    assert not_json.status_code == 400 and not_json.json()["error"]["param"] is None
+    assert "not valid JSON" in not_json.json()["error"]["message"]
+    assert not_object.status_code == 400
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    for r in (too_big, too_big_chunked):
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_penalties_are_validated_when_the_engine_has_them(fake):
+    engine, aengine = fake
+    engine.supports_penalties = True
+    app = build_app(aengine, ServerConfig(served_model_name=["fake"]))
+    calls = [
+        (_completion(presence_penalty=2.5), "presence_penalty"),
+        (_completion(frequency_penalty=-3), "frequency_penalty"),
+        (_completion(repetition_penalty=0), "repetition_penalty"),
+        (_completion(min_p=1.5), "min_p"),
+        (_completion(min_tokens=5, max_tokens=3), "min_tokens"),
+        (_completion(logit_bias={"abc": 1}), "logit_bias"),
+        (_completion(logit_bias={"5": 101}), "logit_bias"),
+        (_completion(logit_bias={"5": 1, "05": 2}), "logit_bias"),
+        (_completion(logit_bias={str(i): 1 for i in range(65)}), "logit_bias"),
+        (_completion(logit_bias={str(VOCAB): 1}), "logit_bias"),
+    ]
+    responses = _ask(app, *(c for c, _ in calls), _completion(
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_p=0.1, min_tokens=2, logit_bias={"5": -100}
+    ))
+    for response, (_, param) in zip(responses, calls):
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.json()
+    assert responses[-1].status_code == 200
+    (request,) = [r for r in engine.finished if r.params.min_tokens == 2]
+    assert request.params.logit_bias == {5: -100.0} and request.params.repetition_penalty == 1.2
+
+
+def test_tokenization_runs_off_the_event_loop(fake):
+    """A request whose tokenization takes 0.6 s does not delay /health (same event loop)."""
+    engine, aengine = fake
+    engine.tokenize_s = 0.6
+    app = build_app(aengine, ServerConfig(served_model_name=["fake"]))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            slow = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "slow", "max_tokens": 2}))
+            await asyncio.sleep(0.05)
+            latencies = []
+            while not slow.done():
+                t0 = time.perf_counter()
+                assert (await client.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.02)
+            return (await slow).status_code, latencies
+
+    status, latencies = asyncio.run(main())
+    assert status == 200 and len(latencies) >= 5 and max(latencies) < 0.1, latencies

@@ -27,7 +27,7 @@ class SamplingLimits:
     changes a compiled program): EOS + stop_token_ids to suppress, logit_bias entries."""
 
     max_stop_token_ids: int = 16
-    max_logit_bias: int = 300
+    max_logit_bias: int = 64
 
 
 def _is_number(x) -> bool:
