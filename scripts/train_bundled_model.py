@@ -1,0 +1,283 @@
+"""Train the bundled model: a small DeepSeek-V3-architecture LM on the Python standard library.
+
+Why: a bundled model with random weights answers with noise, so nobody can tell a working engine
+from a broken one. This trains one with the engine's own model code (MLA at the real latent
+widths 512 + 64, sigmoid noaux_tc MoE with a shared expert) on a corpus every machine has
+offline and whose license allows redistribution: the `.py` sources of the running Python's
+standard library (PSF License; test suites excluded). Every 50th file is held out.
+
+Output (a folder the engine loads like any DeepSeek checkpoint): config.json, model.safetensors
+(bf16), tokenizer.json (byte-level BPE trained on the training files), tokenizer_config.json,
+README.md (the model card: data, license, steps, loss, held-out perplexity).
+
+    python scripts/train_bundled_model.py --out models/splash-tiny --minutes 6      # one H200
+    python scripts/train_bundled_model.py --out /tmp/t --steps 3 --batch 2 --seq 64 --files 40   # CPU smoke test
+
+Training uses a plain causal forward over the model's own modules (no paged cache) and an
+auxiliary load-balancing loss on the router (the router bias stays 0: noaux_tc's bias update is
+a long-run mechanism this short run does not need).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from splash_jax.layers import MLP
+from splash_jax.model import DeepseekForCausalLM, RuntimeOptions
+from splash_jax.model_config import ModelConfig, RopeConfig
+from splash_jax.moe import MoE, route
+from splash_jax.rope import apply_rope
+from splash_jax.weights.export import save_hf_folder
+
+log = logging.getLogger("train")
+SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+HELD_OUT_EVERY = 50
+
+
+def architecture(vocab: int) -> ModelConfig:
+    """~15 M parameters (~31 MB in bf16): V3's MLA widths, 8 heads, 8 routed experts + 1 shared."""
+    return ModelConfig(
+        vocab_size=vocab, hidden_size=384, num_layers=4, num_heads=8, q_lora_rank=192, kv_lora_rank=512,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, intermediate_size=1024,
+        moe_intermediate_size=256, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=4, topk_group=2, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, moe_layer_freq=1, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=4096, rope=RopeConfig(theta=10000.0),
+        bos_token_id=0, eos_token_ids=(1,),
+    )
+
+
+# --- data -----------------------------------------------------------------------------------
+def stdlib_files(limit: int | None) -> tuple[list[Path], list[Path]]:
+    """(train, held-out) source files of this Python's standard library, test suites excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "site-packages", "idle_test", "__pycache__"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    files = files[:limit] if limit else files
+    held = files[::HELD_OUT_EVERY]
+    return [f for f in files if f not in set(held)], held
+
+
+def read_texts(files: list[Path]) -> list[str]:
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def token_stream(tok: Tokenizer, texts: list[str]) -> np.ndarray:
+    """All files as one stream: <bos> file tokens <eos>, file after file."""
+    ids = []
+    for enc in tok.encode_batch(texts):
+        ids += [0] + enc.ids + [1]
+    return np.asarray(ids, np.int32)
+
+
+def batches(stream: np.ndarray, batch: int, seq: int, rng: np.random.Generator):
+    while True:
+        starts = rng.integers(0, len(stream) - seq - 1, batch)
+        yield np.stack([stream[s : s + seq + 1] for s in starts])
+
+
+# --- a plain causal forward over the model's modules ------------------------------------------
+def attention(attn, x, cos_sin, b: int, s: int):
+    """Causal MLA over [B*S, D] rows in the absorbed form (the same weights the engine serves)."""
+    q_nope, q_pe = attn.queries(x)
+    q_pe = apply_rope(q_pe, cos_sin, attn.cfg.rope.interleaved)
+    c, k_pe = attn.latent(x)
+    k_pe = apply_rope(k_pe, cos_sin, attn.cfg.rope.interleaved)
+    q_lat = attn.absorb(q_nope).reshape(b, s, -1, attn.cfg.kv_lora_rank)
+    c, k_pe, q_pe = c.reshape(b, s, -1), k_pe.reshape(b, s, -1), q_pe.reshape(b, s, q_pe.shape[1], -1)
+    scores = jnp.einsum("bqhl,bkl->bhqk", q_lat, c) + jnp.einsum("bqhr,bkr->bhqk", q_pe, k_pe)
+    scores = scores.astype(jnp.float32) * attn.cfg.softmax_scale
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+    o = jnp.einsum("bhqk,bkl->bqhl", jax.nn.softmax(scores, -1).astype(c.dtype), c)
+    return attn.output(o.reshape(b * s, o.shape[2], -1))
+
+
+def balance_loss(cfg: ModelConfig, moe: MoE, h):
+    """Switch-style auxiliary loss: E * sum_i (share of tokens routed to i) * (mean normalized score of i)."""
+    logits = h.astype(jnp.float32) @ moe.router[...]
+    ids, _ = route(cfg, logits, moe.router_bias[...])
+    share = jax.lax.stop_gradient(jax.nn.one_hot(ids, cfg.n_routed_experts).sum(1).mean(0) / cfg.num_experts_per_tok)
+    scores = jax.nn.sigmoid(logits)
+    prob = (scores / scores.sum(-1, keepdims=True)).mean(0)
+    return cfg.n_routed_experts * jnp.sum(share * prob)
+
+
+def forward(model: DeepseekForCausalLM, tokens):
+    """tokens [B, S] -> logits [B, S, V] (float32) and the summed balance loss."""
+    b, s = tokens.shape
+    x = model.embed[...][tokens.reshape(-1)]
+    cos_sin = model.rope_cos_sin(jnp.tile(jnp.arange(s), b))
+    aux = 0.0
+    for layer in model.layers:
+        x = x + attention(layer.attn, layer.input_norm(x), cos_sin, b, s)
+        h = layer.post_attn_norm(x)
+        if isinstance(layer.mlp, MoE):
+            aux = aux + balance_loss(model.cfg, layer.mlp, h)
+            x = x + layer.mlp(h)
+        else:
+            assert isinstance(layer.mlp, MLP)
+            x = x + layer.mlp(h)
+    logits = jnp.dot(model.norm(x), model.lm_head[...], preferred_element_type=jnp.float32)
+    return logits.reshape(b, s, -1), aux
+
+
+def loss_fn(model, batch, aux_weight: float):
+    logits, aux = forward(model, batch[:, :-1])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return nll + aux_weight * aux, nll
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    minutes: float
+    batch: int
+    seq: int
+    lr: float
+    warmup: int
+    aux_weight: float
+    eval_batches: int
+
+
+def train(model: DeepseekForCausalLM, train_ids, held_ids, tc: TrainConfig, seed: int) -> dict:
+    graphdef, params = nnx.split(model, nnx.Param)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, max(tc.steps, tc.warmup + 1), tc.lr / 10)
+    decay_mask = jax.tree.map(lambda p: p.ndim >= 2, params)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1, mask=decay_mask))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        (loss, nll), grads = jax.value_and_grad(
+            lambda p: loss_fn(nnx.merge(graphdef, p), batch, tc.aux_weight), has_aux=True
+        )(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, nll
+
+    @jax.jit
+    def eval_nll(params, batch):
+        return loss_fn(nnx.merge(graphdef, params), batch, 0.0)[1]
+
+    rng = np.random.default_rng(seed)
+    data, held = batches(train_ids, tc.batch, tc.seq, rng), batches(held_ids, tc.batch, tc.seq, np.random.default_rng(1))
+    held_batches = [next(held) for _ in range(tc.eval_batches)]
+    t0, done, losses = time.perf_counter(), 0, []
+    while done < tc.steps and (time.perf_counter() - t0) < tc.minutes * 60:
+        params, opt_state, nll = step(params, opt_state, next(data))
+        done += 1
+        if done % 100 == 0 or done == 1:
+            losses.append(float(nll))
+            log.info("step %d loss %.3f (%.0fs)", done, losses[-1], time.perf_counter() - t0)
+    held_nll = float(np.mean([eval_nll(params, b) for b in held_batches]))
+    nnx.update(model, params)
+    return {"steps": done, "seconds": time.perf_counter() - t0, "final_train_loss": float(nll),
+            "held_out_loss": held_nll, "held_out_perplexity": math.exp(held_nll),
+            "tokens_seen": done * tc.batch * tc.seq}
+
+
+def model_card(cfg: ModelConfig, stats: dict, data: dict, tc: TrainConfig, params: int) -> str:
+    return f"""# splash-tiny
+
+A small language model of the DeepSeek-V3 architecture, trained by `scripts/train_bundled_model.py`
+with splash-jax's own model code, so `python -m serve.main` completes Python code out of the box.
+
+- Architecture: DeepseekV3ForCausalLM, {params / 1e6:.1f} M parameters (bf16): hidden {cfg.hidden_size},
+  {cfg.num_layers} layers ({cfg.first_k_dense_replace} dense), {cfg.num_heads} MLA heads at the real latent widths
+  (kv_lora_rank {cfg.kv_lora_rank}, rope {cfg.qk_rope_head_dim}), q_lora_rank {cfg.q_lora_rank};
+  {cfg.n_routed_experts} routed experts (top-{cfg.num_experts_per_tok}, sigmoid noaux_tc, {cfg.n_group} groups)
+  + {cfg.n_shared_experts} shared.
+- Tokenizer: byte-level BPE, {cfg.vocab_size} tokens, trained on the training files.
+- Data: the `.py` files of the Python {data['python']} standard library (test suites excluded):
+  {data['train_files']} files / {data['train_tokens']:,} tokens for training, every {HELD_OUT_EVERY}th file
+  ({data['held_files']} files / {data['held_tokens']:,} tokens) held out.
+- License of the data: Python Software Foundation License (PSF-2.0); the weights are derived from it
+  and distributed under the same terms.
+- Training: {stats['steps']} steps of batch {tc.batch} x {tc.seq} tokens ({stats['tokens_seen']:,} tokens,
+  {stats['seconds'] / 60:.1f} min on {data['device']}), AdamW (peak lr {tc.lr}, warm-up {tc.warmup}, cosine),
+  auxiliary balance loss {tc.aux_weight}.
+- Results: final training loss {stats['final_train_loss']:.3f}; held-out loss {stats['held_out_loss']:.3f},
+  perplexity {stats['held_out_perplexity']:.1f} per token (vocabulary {cfg.vocab_size}).
+- Limits: a few minutes of training on one library's code: it continues Python plausibly, it does
+  not follow instructions or know facts.
+"""
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=100_000)
+    parser.add_argument("--minutes", type=float, default=6.0, help="stop training after this long")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--aux-weight", type=float, default=0.01)
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--files", type=int, default=None, help="use only the first N files (smoke tests)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    train_files, held_files = stdlib_files(args.files)
+    train_texts, held_texts = read_texts(train_files), read_texts(held_files)
+    tok = train_tokenizer(train_texts, args.vocab)
+    for i, s in enumerate(SPECIAL):
+        assert tok.token_to_id(s) == i, s
+    train_ids, held_ids = token_stream(tok, train_texts), token_stream(tok, held_texts)
+    log.info("corpus: %d train files (%d tokens), %d held-out files (%d tokens)",
+             len(train_files), len(train_ids), len(held_files), len(held_ids))
+
+    cfg = dataclasses.replace(architecture(tok.get_vocab_size()), max_position_embeddings=max(4096, args.seq))
+    model = DeepseekForCausalLM(cfg, RuntimeOptions(dtype="float32"), nnx.Rngs(args.seed))
+    tc = TrainConfig(args.steps, args.minutes, args.batch, args.seq, args.lr, args.warmup, args.aux_weight, args.eval_batches)
+    stats = train(model, train_ids, held_ids, tc, args.seed)
+    log.info("trained: %s", stats)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_hf_folder(model, args.out, "bfloat16")
+    tok.save(str(args.out / "tokenizer.json"))
+    (args.out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
+        "chat_template": CHAT_TEMPLATE, "model_max_length": cfg.max_position_embeddings,
+    }, indent=2))
+    params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    data = {"python": sysconfig.get_python_version(), "train_files": len(train_files), "held_files": len(held_files),
+            "train_tokens": len(train_ids), "held_tokens": len(held_ids), "device": jax.devices()[0].device_kind}
+    (args.out / "README.md").write_text(model_card(cfg, stats, data, tc, params))
+    (args.out / "training.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                        "stats": stats, "data": data, "params": params}, indent=2))
+    size = sum(p.stat().st_size for p in args.out.iterdir())
+    log.info("wrote %s (%.1f MB)", args.out, size / 2**20)
+
+
+if __name__ == "__main__":
+    main()
