@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from splash_jax.kv.placement import STRIPED, copies_per_page
 from splash_jax.mesh.layouts import LAYOUTS, Layout
 
 log = logging.getLogger(__name__)
@@ -72,15 +73,8 @@ class CostModel:
         n, c = self.n, self.config
         if load.requests == 0:
             return 0.0
-        avg_context = load.cached_tokens / load.requests
         weights = self.other_weight_bytes + (self.head_bytes / n if layout.heads_sharded else self.head_bytes)
-        per_owner = -(-load.requests // n)  # requests on the busiest owner device
-        if layout.kv_placement == "replicated":
-            kv = load.cached_tokens  # every device reads every request's cache (for its heads)
-        elif layout.kv_placement == "owner":
-            kv = per_owner * avg_context
-        else:
-            kv = load.cached_tokens / n
+        kv = layout.kv_placement.cached_bytes_read(load.cached_tokens, load.requests, n)
         read = weights + kv * self.kv_bytes_per_token
         t = load.requests  # one query token per running request
         q = t * self.heads * 576 * self.dtype_bytes  # absorbed query / latent output rows
@@ -94,13 +88,7 @@ class CostModel:
 
     def switch_seconds(self, src: Layout, dst: Layout, load: Load) -> float:
         """Bytes a switch moves between devices (the cache it copies, weights it gathers) over the link."""
-        tokens = load.cached_tokens
-        if dst.kv_placement == "replicated" and src.kv_placement != "replicated":
-            cache = tokens * (self.n - 1)  # broadcast
-        elif src.kv_placement == dst.kv_placement or src.kv_placement == "replicated":
-            cache = 0  # keep pages in place, or drop replicas
-        else:
-            cache = tokens * (self.n - 1) / self.n  # gather / scatter stripes
+        cache = load.cached_tokens * copies_per_page(src.kv_placement, dst.kv_placement, self.n)
         weights = self.head_bytes * (self.n - 1) / self.n if (src.heads_sharded and not dst.heads_sharded) else 0
         return (cache * self.kv_bytes_per_token + weights) / self.config.link_bytes_per_s
 
@@ -118,7 +106,7 @@ class TransitionAwarePolicy:
         for name in LAYOUTS:
             capacity = self.engine.kv_capacity_tokens(name) * (1 - self.config.capacity_margin)
             fits_one_device = load.max_context <= self.engine.allocator.pages_per_device * self.engine.config.page_size
-            if load.cached_tokens <= capacity and (fits_one_device or LAYOUTS[name].kv_placement == "striped"):
+            if load.cached_tokens <= capacity and (fits_one_device or LAYOUTS[name].kv_placement is STRIPED):
                 ok.append(name)
         return ok
 

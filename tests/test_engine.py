@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from splash_jax.compile_guard import count_compiles
+from splash_jax.engine.request import accumulate
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
@@ -50,13 +51,14 @@ def reference(model, engine):
 
 def run_staggered(engine, prompts, params, arrivals):
     """Add prompt i before step arrivals[i]; step until all finish. Returns {prompt: token ids}."""
+    acc = {}
     pending = sorted(zip(arrivals, range(len(prompts))))
     ids, done, step = {}, {}, 0
     while pending or engine.has_work():
         while pending and pending[0][0] <= step:
             _, i = pending.pop(0)
             ids[engine.add_request(prompts[i], params)] = prompts[i]
-        for out in engine.step():
+        for out in accumulate(acc, engine.step()):
             if out.finished:
                 done[ids[out.request_id]] = out
         step += 1
@@ -153,12 +155,13 @@ def test_stop_strings_eos_and_abort(engine, reference):
 
 
 def test_stream_deltas_concatenate_to_text_and_never_show_a_stop_prefix(engine):
+    acc = {}
     full = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=12))[0].text
     stop = full[5:8]
     rid = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=12, stop=[stop]))
     deltas, final = [], None
     while engine.has_work():
-        for out in engine.step():
+        for out in accumulate(acc, engine.step()):
             if out.request_id == rid:
                 deltas.append(out.delta_text)
                 final = out

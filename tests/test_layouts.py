@@ -13,9 +13,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from splash_jax.attention.layouts import ShardedContext
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.engine.executor import layout_step, param_specs
+from splash_jax.engine.request import Request, SamplingParams as Params
+from splash_jax.engine.sampler import SamplerWidths
+from splash_jax.engine.scheduler import ScheduledChunk
+from splash_jax.engine.step_packer import SlotSampling, StepShape, host_step_input, pack_step
 from splash_jax.kv.allocator import PageAllocator
-from splash_jax.kv.placement import LayoutChunk, build_layout_step, pages_needed
-from splash_jax.kv.step_builder import Chunk, build_step_input
+from splash_jax.kv.page_table import PageTables
+from splash_jax.kv.placement import OWNER
 from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
@@ -34,17 +38,39 @@ STEPS = [
 ]
 
 
+WIDTHS = SamplerWidths(1, 1)
+
+
+def packed_steps(n, owner_rows, placement, alloc, segments, tokens_bucket):
+    """STEPS packed by the engine's packer for n devices (pages allocated as the scheduler does)."""
+    tables = PageTables(n, len(PROMPTS), M)
+    slots = {r: i for i, r in enumerate(PROMPTS)}
+    requests = {r: Request(r, PROMPTS[r], Params(), slot=slots[r], owner=OWNERS[r] % n,
+                           device_pages=[[] for _ in range(n)]) for r in PROMPTS}
+    shape = StepShape(tokens_bucket, 4, n, segments, M, owner_rows, WIDTHS)
+    for spec in STEPS:
+        chunks = []
+        for r, s, k in spec:
+            req = requests[r]
+            for d, count in enumerate(placement.pages_needed(n, req.owner, req.device_pages, s + k, S)):
+                pages = alloc.allocate(count, d)
+                req.device_pages[d] += pages
+                tables.append(req.slot, d, pages, placement, alloc)
+            chunks.append(ScheduledChunk(req, s, k, False))
+        yield len(spec), host_step_input(shape, pack_step(shape, chunks, tables, SlotSampling(len(PROMPTS), WIDTHS, ()), S))
+
+
 def reference_logits():
+    """The single-device model, with no mesh: the packer's N = 1 case."""
     model = load_model(DEFAULT_MODEL, OPTS)
     kv = model.new_cache(64, S)
-    pages = {"a": list(range(0, 8)), "b": list(range(8, 16)), "c": list(range(16, 24))}
     step = jax.jit(lambda m, kv, b: m(kv, b))
     out = []
-    for spec in STEPS:
-        chunks = [Chunk(PROMPTS[r][s : s + k], s, pages[r]) for r, s, k in spec]
-        batch, _ = build_step_input(chunks, S, 64, 32, 4, 8)
-        logits, kv = step(model, kv, jax.tree.map(jnp.asarray, batch))
-        out.append(np.asarray(logits[: len(spec)]))
+    for num, b in packed_steps(1, False, OWNER, PageAllocator(1, 64, S), 1, 32):
+        local = type(b)(b.tokens, b.positions, b.token_request[0], b.write_page[0, 0], b.write_offset[0],
+                        b.kv_lens[0, 0], b.page_table[0, 0], b.logits_index)
+        logits, kv = step(model, kv, jax.tree.map(jnp.asarray, local))
+        out.append(np.asarray(logits[:num]))
     return out
 
 
@@ -56,20 +82,13 @@ def layout_logits(name):
     base, extra = (2, 14) if layout.heads_sharded else (PER_DEVICE, 0)
     kv = model.new_cache(N * base, S, NamedSharding(mesh, P(AXIS)), extra_pages=N * extra)
     graphdef, state = nnx.split(model)
-    forward = jax.jit(layout_step(graphdef, state, kv, mesh, layout, "xla", sampled=False))
+    forward = jax.jit(layout_step(graphdef, state, kv, mesh, layout, "xla"))
     alloc = PageAllocator(N, base, S, extra)
-    device_pages = {r: [[] for _ in range(N)] for r in PROMPTS}
     out = []
-    for spec in STEPS:
-        chunks = []
-        for r, s, k in spec:
-            need = pages_needed(layout.kv_placement, N, OWNERS[r], device_pages[r], s + k, S)
-            for d, count in enumerate(need):
-                device_pages[r][d] += alloc.allocate(count, d)
-            chunks.append(LayoutChunk(PROMPTS[r][s : s + k], s, device_pages[r], OWNERS[r]))
-        batch = build_layout_step(layout, alloc, chunks, 32, 4, M)
-        logits, kv = forward(state, kv, batch)
-        out.append(np.asarray(logits[: len(spec)]))
+    steps = packed_steps(N, layout.owner_rows, layout.kv_placement, alloc, 2 if extra else 1, 32)
+    for num, batch in steps:
+        logits, kv = forward(state, kv, jax.tree.map(jnp.asarray, batch))
+        out.append(np.asarray(logits[:num]))
     if layout.heads_sharded:
         assert alloc.extra_pages_in_use() > 0  # the extra segment really served pages
     return out

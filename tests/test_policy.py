@@ -3,6 +3,7 @@ capacity, it waits out its cooldown, and switching it drives keeps outputs ident
 
 import pytest
 
+from splash_jax.engine.request import accumulate
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.mesh.layouts import LAYOUTS
 from splash_jax.policy import CostModel, Load, PolicyConfig, TransitionAwarePolicy
@@ -50,6 +51,7 @@ def test_switch_cost_counts_what_moves(engine):
 
 
 def test_auto_policy_follows_the_load_and_keeps_outputs_identical():
+    acc = {}
     prompts = ["Latent attention keeps one vector per token."]
     prompts += [f"request {i} arrives later with a longer prompt: " + "latent pages move " * 25 for i in range(7)]
     params = SamplingParams(max_tokens=24)
@@ -63,7 +65,7 @@ def test_auto_policy_follows_the_load_and_keeps_outputs_identical():
         if step == 8:  # load rises: seven more requests
             for i in range(1, len(prompts)):
                 ids[engine.add_request(prompts[i], params)] = i
-        for out in engine.step():
+        for out in accumulate(acc, engine.step()):
             if out.finished:
                 done[ids[out.request_id]] = out.token_ids
         step += 1

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from splash_jax.compile_guard import count_compiles
+from splash_jax.engine.request import accumulate
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.mesh.layouts import LAYOUT_NAMES
 from splash_jax.switch.controller import SwitchState
@@ -45,6 +46,7 @@ def fixed_outputs():
 def run(engine, switches, rng=None):
     """Staggered workload; when `switches` (list of layouts) is given, start the next switch as soon
     as the previous one is done, at random steps. Returns (outputs by prompt index, handles)."""
+    acc = {}
     pending = list(zip(ARRIVALS, range(len(PROMPTS))))
     ids, done, handles, step = {}, {}, [], 0
     queue = list(switches or [])
@@ -56,7 +58,7 @@ def run(engine, switches, rng=None):
             dst = queue.pop(0)
             if dst != engine.layout.name:
                 handles.append(engine.switch_layout(dst))
-        for out in engine.step():
+        for out in accumulate(acc, engine.step()):
             if out.finished:
                 done[ids[out.request_id]] = out
         step += 1
@@ -126,6 +128,7 @@ def test_memory_returns_to_destination_steady_state(src, dst):
 
 
 def test_refused_when_destination_cannot_hold_requests_then_preempt(engine):
+    acc = {}
     if engine.layout.name != "dop":
         h = engine.switch_layout("dop")
         while not h.done:
@@ -134,7 +137,7 @@ def test_refused_when_destination_cannot_hold_requests_then_preempt(engine):
     for _ in range(8):
         engine.add_request(long, SamplingParams(max_tokens=40))
     while engine.scheduler.waiting:
-        engine.step()
+        accumulate(acc, engine.step())
     h = engine.switch_layout("tp")  # TP keeps a replica per device: 8 x ~130 tokens do not fit one device
     assert h.state == SwitchState.REFUSED and "cannot hold" in h.reason
     assert engine.layout.name == "dop"
@@ -142,10 +145,10 @@ def test_refused_when_destination_cannot_hold_requests_then_preempt(engine):
     assert h.preempted and h.state != SwitchState.REFUSED
     outs = {}
     while engine.has_work():
-        for o in engine.step():
+        for o in accumulate(acc, engine.step()):
             if o.finished:
                 outs[o.request_id] = o
-    assert len(outs) == 8 and all(len(o.token_ids) == 40 for o in outs.values())
+    assert len(outs) == 8 and all(len(o.token_ids) == 40 == o.num_output_tokens for o in outs.values())
     assert engine.layout.name == "tp" and engine.stats()["pages_used"] == 0
 
 
@@ -177,6 +180,7 @@ def test_requests_admitted_during_a_switch_are_preempted_at_handoff_not_lost():
     long = "word " * 60
 
     def run(engine, switch):
+        acc = {}
         ids = {engine.add_request(long + str(i), SamplingParams(max_tokens=30)): i for i in range(4)}
         for _ in range(6):
             engine.step()
@@ -185,7 +189,7 @@ def test_requests_admitted_during_a_switch_are_preempted_at_handoff_not_lost():
             ids[engine.add_request(f"tiny prompt {i} " + long[: 40 * (i % 3)], SamplingParams(max_tokens=30))] = i
         done = {}
         while engine.has_work():
-            for out in engine.step():
+            for out in accumulate(acc, engine.step()):
                 if out.finished:
                     done[ids[out.request_id]] = out.token_ids
         return done, handle

@@ -33,7 +33,10 @@ class EngineConfig:
     enable_switching: bool = False  # precompile every layout and the migration programs
     layout_policy: str = "off"  # off | auto (the transition-aware policy picks layouts; needs switching)
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
-    switch_chunk_pages: int = 8  # pages copied per device pair between two steps during a switch
+    switch_chunk_pages: int = 8  # pages copied per device pair inside each step during a switch
+    overlap_scheduling: bool = True  # dispatch step k+1 before step k's tokens reach the host
+    max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
+    max_logit_bias: int = 64  # logit_bias entries per request; fixes the sampler's bias columns
     seed: int = 0
     compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
     warmup: bool = True  # compile every bucket at start-up

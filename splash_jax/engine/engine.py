@@ -1,16 +1,21 @@
-"""The synchronous engine: requests in, tokens out, one `step()` at a time.
+"""The engine: requests in, output deltas out, one `step()` at a time.
 
     engine = Engine(EngineConfig(model="path/to/deepseek"))
     outs = engine.generate(["Hello", "Tell me"], SamplingParams(max_tokens=32))
 
-A step is: schedule (pure host bookkeeping) -> pack fixed-shape inputs (numpy, per request
-not per token) -> one precompiled device program (forward + sampling, cache donated) ->
-read back the sampled tokens (a few bytes per request) -> stop checks and outputs.
+A step is: schedule (host bookkeeping) -> pack two int32 buffers (engine/step_packer.py) ->
+dispatch one precompiled device program (forward + sampling; pool and penalty state donated).
+With overlapped scheduling (the default, as SGLang's overlap scheduler and vLLM's async
+scheduling) the engine then reads back the PREVIOUS step's tokens while this one runs on the
+device: sampled tokens feed the next step on the device, and stops apply one step late (a
+token sampled past a stop is dropped, never shown). `overlap_scheduling=False` reads back the
+step it just dispatched; both give identical outputs.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -22,11 +27,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import StepExecutor
-from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingParams, Status
-from splash_jax.engine.sampler import SamplingInputs
+from splash_jax.engine.executor import StepExecutor, StepResult
+from splash_jax.engine.output_processor import OutputProcessor
+from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
+from splash_jax.engine.sampler import SamplerWidths
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
-from splash_jax.engine.stop import find_stop, stop_prefix_len
+from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.capacity import (
     bytes_per_page,
@@ -37,11 +43,10 @@ from splash_jax.kv.capacity import (
     layout_token_capacity,
     pages_per_device,
 )
-from splash_jax.kv.placement import LayoutChunk, build_layout_step
 from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
-from splash_jax.tokenizer import IncrementalDecoder, Tokenizer
+from splash_jax.tokenizer import Tokenizer
 from splash_jax.weights.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -51,6 +56,16 @@ def enable_compilation_cache(path: str | None) -> None:
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step whose tokens have not been read back yet."""
+
+    chunks: list[ScheduledChunk]
+    rows: list[int]  # output row of each sampling chunk
+    result: StepResult
+    want_logprobs: bool
 
 
 class Engine:
@@ -99,10 +114,18 @@ class Engine:
             self.max_model_len = pool_tokens
         extra = self.extra_pages if self.layout.heads_sharded else 0
         self.allocator = PageAllocator(self.n, per_device, config.page_size, extra)
+        self.eos_ids = set(cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_id is not None:
+            self.eos_ids.add(tokenizer.eos_id)
+        self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
         self.scheduler = Scheduler(
-            self.allocator, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-            self.layout.kv_placement,
+            self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.layout.kv_placement,
+            self.max_model_len, self.pages_per_request, self.eos_ids, config.enable_chunked_prefill,
         )
+        self.limits = SamplingLimits(config.max_stop_token_ids, config.max_logit_bias)
+        widths = SamplerWidths.of(self.limits, len(self.eos_ids))
+        self.slot_sampling = SlotSampling(config.max_num_seqs, widths, sorted(self.eos_ids))
+        self._slot_request: list[Request | None] = [None] * config.max_num_seqs
         kv = self.model.new_cache(
             self.n * per_device, config.page_size, NamedSharding(self.mesh, P(AXIS)), extra_pages=self.n * extra
         )
@@ -110,14 +133,16 @@ class Engine:
             "KV pool (%s on %d devices): %d base + %d extra pages of %d tokens per device, %d tokens capacity (%.2f GiB)",
             self.layout.name, self.n, per_device, extra, config.page_size, self.kv_capacity_tokens(), kv.nbytes() / 2**30,
         )
-        self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
         self.executor = StepExecutor(
             self.model, kv, self.mesh, self.layout,
             (config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
-            self.pages_per_request, config.attention_impl, extra_pages_total=self.n * self.extra_pages,
+            self.pages_per_request, config.attention_impl, widths, config.max_num_seqs,
+            extra_pages_total=self.n * self.extra_pages,
+            move_pages=config.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
         )
         if config.warmup:  # with switching, every layout's steps: a switch must never compile
-            self.executor.compile_all([get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else None)
+            layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else None
+            self.executor.compile_all(layouts, moving=config.enable_switching)
         self.switcher = None
         if config.enable_switching:
             from splash_jax.switch.controller import SwitchController
@@ -129,39 +154,39 @@ class Engine:
 
             self.policy = TransitionAwarePolicy(self, config.policy)
 
-        self.eos_ids = set(cfg.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_id is not None:
-            self.eos_ids.add(tokenizer.eos_id)
+        self.outputs = OutputProcessor(tokenizer)
         self._requests: dict[str, Request] = {}
-        self._decoders: dict[str, IncrementalDecoder] = {}
+        self._inflight: InFlight | None = None
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
+        self._failed: list[RequestOutput] = []
         self.num_steps = 0
+        self.num_step_failures = 0
 
     # --- requests ------------------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread)."""
         params = params or SamplingParams()
-        params.validate(self.model_config.vocab_size)
+        params.validate(self.model_config.vocab_size, self.limits)
         if isinstance(prompt, str):
             if not prompt:
-                raise RequestError("the prompt is empty")
+                raise RequestError("the prompt is empty", "prompt")
             if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer; pass prompt token ids")
+                raise RequestError("this model has no tokenizer; pass prompt token ids", "prompt")
             ids = self.tokenizer.encode(prompt, add_bos=True)
             text = prompt
         else:
             ids, text = [int(t) for t in prompt], None
         if not ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})", "prompt")
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len} "
-                "(prompt plus at least one generated token)"
+                "(prompt plus at least one generated token)", "prompt",
             )
         rid = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
@@ -172,8 +197,7 @@ class Engine:
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         self._requests[request.request_id] = request
-        if self.tokenizer is not None:
-            self._decoders[request.request_id] = IncrementalDecoder(self.tokenizer)
+        self.outputs.add(request)
         self.scheduler.add(request)
         return request.request_id
 
@@ -181,13 +205,13 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.remove(request)
-        request.finish_reason = "abort"
-        self._decoders.pop(request_id, None)
+        self.scheduler.finish(request, "abort")
+        self.outputs.remove(request_id)
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.switcher and self.switcher.active)
+        inflight = self._inflight is not None and any(not c.request.is_finished for c in self._inflight.chunks)
+        return self.scheduler.has_work() or inflight or bool(self._failed) or bool(self.switcher and self.switcher.active)
 
     # --- one step ------------------------------------------------------------------------
     def switch_layout(self, dst: str, preempt: bool = False):
@@ -202,116 +226,131 @@ class Engine:
         return self.switcher.start(dst, preempt)
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch one step; return the outputs of the step that completed."""
+        outputs, self._failed = self._failed, []
         if self.switcher is not None:
             self.switcher.before_step()  # batch boundary: a finished migration hands off here
             if self.policy and self.switcher.active is None and self.num_steps % self.config.policy.interval_steps == 0:
                 dst = self.policy.decide(self.num_steps)
                 if dst is not None:
                     self.switcher.start(dst)
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            if self.switcher is not None:
-                self.switcher.after_step()
-            return []
-        batch, sampling, bucket = self._pack(chunks)
-        out = self.executor.run(bucket, batch, sampling)
-        want_logprobs = any(c.request.params.logprobs is not None for c in chunks)
-        tokens = np.asarray(out.tokens)
-        host = jax.device_get((out.logprob, out.top_ids, out.top_logprobs)) if want_logprobs else None
-        self.num_steps += 1
-        now = time.monotonic()
-        outputs = []
-        for i, chunk in enumerate(chunks):
-            request = chunk.request
-            request.num_computed += chunk.num_tokens
-            if request.metrics.first_scheduled is None:
-                request.metrics.first_scheduled = now
-            if chunk.samples:
-                outputs.append(self._append_token(request, int(tokens[i]), host, i, now))
-        self._recent.append((now, sum(1 for c in chunks if c.samples)))
+        chunks = self.scheduler.schedule().chunks
+        dispatched = self._dispatch(chunks) if chunks else None
+        if self.config.overlap_scheduling:
+            done, self._inflight = self._inflight, dispatched
+        else:
+            done = dispatched
+        if done is not None:
+            outputs += self._complete(done)
         if self.switcher is not None:
-            self.switcher.after_step()  # a bounded chunk of page copies between steps
-        return outputs
+            self.switcher.after_step()
+        return outputs + self._failed_now()
 
-    def _pack(self, chunks: list[ScheduledChunk]):
+    def _failed_now(self) -> list[RequestOutput]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _bucket(self, chunks: list[ScheduledChunk]):
         if self.layout.owner_rows:
             tokens, requests = [0] * self.n, [0] * self.n
             for c in chunks:
                 tokens[c.request.owner] += c.num_tokens
                 requests[c.request.owner] += 1
-            bucket = self.executor.pick(max(tokens), max(requests))
-            rows = self.n * bucket.requests
-        else:
-            bucket = self.executor.pick(sum(c.num_tokens for c in chunks), len(chunks))
-            rows = bucket.requests
-        batch = build_layout_step(
-            self.layout, self.allocator,
-            [LayoutChunk(c.tokens, c.start, c.request.device_pages, c.request.owner) for c in chunks],
-            bucket.tokens, bucket.requests, self.pages_per_request,
-        )
-        s = SamplingInputs.host(rows)
-        for i, c in enumerate(chunks):
-            p = c.request.params
-            s.temperature[i] = p.temperature
-            s.top_k[i] = max(p.top_k, 0)
-            s.top_p[i] = p.top_p
-            s.seed[i] = c.request.sample_seed & 0xFFFFFFFF
-            s.step[i] = len(c.request.output_ids)
-        return batch, s, bucket
+            return self.executor.pick(max(tokens), max(requests))
+        return self.executor.pick(sum(c.num_tokens for c in chunks), len(chunks))
 
-    def _append_token(self, request: Request, token: int, host, row: int, now: float) -> RequestOutput:
-        p = request.params
-        request.output_ids.append(token)
-        if request.metrics.first_token is None:
-            request.metrics.first_token = now
-        if p.logprobs is not None and host is not None:
-            chosen, top_ids, top_lp = host
-            request.output_logprobs.append(float(chosen[row]))
-            request.output_top_logprobs.append(
-                {int(t): float(v) for t, v in zip(top_ids[row][: p.logprobs], top_lp[row][: p.logprobs])}
-            )
-        decoder = self._decoders.get(request.request_id)
-        delta = decoder.push(token) if decoder else ""
-        reason = None
-        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
-            reason = "stop"
-        elif decoder and p.stop:
-            hit = find_stop(decoder.text, p.stop, len(delta))
+    def _pack(self, chunks: list[ScheduledChunk]):
+        for c in chunks:  # a request that just took a slot: write its sampling row once
+            r = c.request
+            if self._slot_request[r.slot] is not r:
+                self._slot_request[r.slot] = r
+                self.slot_sampling.assign(r.slot, r.params, r.sample_seed)
+        bucket = self._bucket(chunks)
+        shape = self.executor.shape(self.layout, bucket)
+        return bucket, pack_step(shape, chunks, self.scheduler.tables, self.slot_sampling, self.config.page_size)
+
+    def _dispatch(self, chunks: list[ScheduledChunk]) -> InFlight | None:
+        try:
+            bucket, packed = self._pack(chunks)
+        except Exception as e:  # noqa: BLE001 - host-side: find the requests that cause it, fail only them
+            chunks = self._isolate(chunks, e)
+            if not chunks:
+                return None
+            bucket, packed = self._pack(chunks)
+        move = self.switcher.step_moves() if self.switcher is not None else None
+        try:
+            result = self.executor.run(bucket, packed.rep, packed.dev, move)
+        except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
+            self._recover(e, chunks)
+            return None
+        result.tokens.copy_to_host_async()
+        for c, row in zip((c for c in chunks if c.samples), packed.rows):
+            c.request.pending_row = row
+        now = time.monotonic()
+        for c in chunks:
+            if c.request.metrics.first_scheduled is None:
+                c.request.metrics.first_scheduled = now
+        want = any(c.request.params.logprobs is not None for c in chunks if c.samples)
+        return InFlight(chunks, packed.rows, result, want)
+
+    def _complete(self, step: InFlight) -> list[RequestOutput]:
+        """Read back a dispatched step and apply its tokens (stops, finishes, output deltas)."""
+        try:
+            tokens = np.asarray(step.result.tokens)
+            r = step.result
+            logprobs = jax.device_get((r.logprob, r.top_ids, r.top_logprobs)) if step.want_logprobs else None
+        except Exception as e:  # noqa: BLE001 - the step failed on the device
+            self._recover(e, step.chunks)
+            return []
+        self.num_steps += 1
+        now = time.monotonic()
+        outputs = []
+        for update in self.scheduler.update(step.chunks, step.rows, tokens):
+            out, hit = self.outputs.process(update, logprobs, now)
             if hit is not None:
-                cut, request.stop_text = hit
-                decoder.text = decoder.text[:cut]
-                reason = "stop"
-        if reason is None and (len(request.output_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
-            request.finish_reason = reason
-            request.metrics.finished = now
-            self.scheduler.remove(request)
-            self._requests.pop(request.request_id, None)
-            self._decoders.pop(request.request_id, None)
-        text = decoder.text if decoder else ""
-        # Hold back a tail that may still grow into a stop string, so deltas never show part of one.
-        visible = len(text) if reason is not None else len(text) - stop_prefix_len(text, p.stop)
-        delta = text[request.text_sent : visible] if visible > request.text_sent else ""
-        request.text_sent = max(request.text_sent, visible)
-        return self._output(request, delta, [token], text)
+                update.request.stop_reason = hit
+                self.scheduler.finish(update.request, "stop")
+            if out.finished:
+                self._requests.pop(update.request.request_id, None)
+            outputs.append(out)
+        self._recent.append((now, len(outputs)))
+        return outputs
 
-    def _output(self, request: Request, delta: str, delta_ids: list[int], text: str) -> RequestOutput:
-        finished = request.status == Status.FINISHED
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_ids=request.prompt_ids,
-            token_ids=list(request.output_ids),
-            text=text,
-            delta_text=delta,
-            delta_token_ids=delta_ids,
-            finished=finished,
-            finish_reason=request.finish_reason,
-            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
-            top_logprobs=list(request.output_top_logprobs) if request.params.logprobs is not None else None,
-            ttft=request.metrics.ttft(),
-            tpot=request.metrics.tpot(len(request.output_ids)) if finished else None,
-        )
+    def _fail(self, request: Request, message: str) -> None:
+        log.warning("request %s failed: %s", request.request_id, message)
+        self.scheduler.finish(request, "error")
+        self.outputs.remove(request.request_id)
+        self._requests.pop(request.request_id, None)
+        self._failed.append(OutputProcessor.final(request, "error", message))
+
+    def _isolate(self, chunks: list[ScheduledChunk], error: Exception) -> list[ScheduledChunk]:
+        """Packing failed: pack each request alone, fail those that still fail, keep the rest."""
+        log.warning("packing a step failed (%s: %s); isolating the requests that cause it", type(error).__name__, error)
+        good = []
+        for c in chunks:
+            try:
+                self._pack([c])
+                good.append(c)
+            except Exception as e:  # noqa: BLE001
+                self._fail(c.request, f"the request could not be run: {type(e).__name__}: {e}")
+        return good
+
+    def _recover(self, error: Exception, chunks: list[ScheduledChunk]) -> None:
+        """A device step failed, so the donated pool is lost: start from an empty pool and recompute
+        every running request (outputs unchanged). A request in two failed steps is failed."""
+        self.num_step_failures += 1
+        log.error("engine step failed on the device (%s: %s); recomputing the running requests", type(error).__name__, error)
+        self._inflight = None
+        for c in chunks:
+            c.request.metrics.num_step_failures += 1
+            if c.request.metrics.num_step_failures >= 2 and c.request.status != Status.FINISHED:
+                self._fail(c.request, f"the engine step failed twice with this request in it: {type(error).__name__}: {error}")
+        for request in list(self.scheduler.running):
+            self.scheduler.preempt(request)
+        for request in self.scheduler.waiting:
+            request.num_pending, request.pending_row = 0, -1  # tokens of the lost steps are sampled again
+        self._slot_request = [None] * len(self._slot_request)
+        self.executor.reset_device_state()
 
     # --- convenience ---------------------------------------------------------------------
     def generate(
@@ -327,13 +366,18 @@ class Engine:
         ids: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                ids[self.add_request(prompt, p)] = i
+                request = self.make_request(prompt, p)
+                ids[self.add_request(request)] = i
+                results[i] = RequestOutput(
+                    request.request_id, [], "", False, None, num_prompt_tokens=len(request.prompt_ids),
+                    prompt_ids=request.prompt_ids,
+                )
             except RequestError as e:
-                results[i] = RequestOutput(f"invalid-{i}", [], [], "", "", [], True, "error", error=str(e))
-        while len(results) < len(prompts):
+                results[i] = RequestOutput(f"invalid-{i}", [], "", True, "error", error=str(e))
+        while any(not o.finished for o in results.values()):
             for out in self.step():
-                if out.finished and out.request_id in ids:
-                    results[ids[out.request_id]] = out
+                if out.request_id in ids:
+                    results[ids[out.request_id]].accumulate(out)
         return [results[i] for i in range(len(prompts))]
 
     def kv_capacity_tokens(self, layout_name: str | None = None) -> int:
@@ -369,4 +413,8 @@ class Engine:
             "switches": len([h for h in self.switcher.history if h.state.value == "done"]) if self.switcher else 0,
             "switch_metrics": self.switcher.metrics() if self.switcher else None,
             "num_devices": self.n,
+            "overlap_scheduling": self.config.overlap_scheduling,
+            "step_failures": self.num_step_failures,
+            "compiled_programs": self.executor.num_compiled,
+            "compile_seconds": round(self.executor.compile_seconds, 2),
         }

@@ -1,9 +1,17 @@
-"""The step executor: one forward + sample program per (layout, bucket), compiled ahead of time.
+"""The step executor: one forward + sample program per (layout, bucket), compiled ahead of time,
+and the one owner of the device state those programs update (params, KV pool, penalty state).
 
 Each program is the whole model step inside one `jax.shard_map` over the mesh, with the
-layout's explicit collectives (splash_jax/attention/layouts.py), the KV pool donated so it is
-updated in place. After `compile_all()` nothing compiles: `run` picks the smallest bucket that
-fits, moves the small int/float step inputs to the devices, and dispatches.
+layout's explicit collectives (splash_jax/attention/layouts.py). It takes
+  params (a flat tuple of leaves; flattening an nnx State every step costs host time),
+  the KV pool and the penalty state (both donated: updated in place),
+  the previous step's sampled tokens (so a step can be dispatched before they reach the host),
+  two packed int32 buffers (engine/step_packer.py: one transfer each),
+and, in the `moving` variant used during a layout switch, one chunk of page copies: the source
+pages are gathered from the pool before the forward pass writes it, exchanged with one
+all_to_all that XLA runs beside the forward pass, and scattered into their reserved pages at the
+end. Background copies only touch full pages (never written again) and reserved pages (in no
+page table), so they commute with the step's own reads and writes.
 
 Bucket sizes are per query-device: for tp/cp the step's whole token/request count, for dp/dop
 each device's own share (the step holds N segments of that size).
@@ -11,20 +19,26 @@ each device's own share (the step holds N segments of that size).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from splash_jax.attention.layouts import ShardedContext
-from splash_jax.engine.sampler import SampleOutput, SamplingInputs, sample
+from splash_jax.engine.penalties import PenaltyState, update_history
+from splash_jax.engine.sampler import SampleOutput, SamplerWidths, sample
+from splash_jax.engine.step_packer import StepShape, unpack_step
 from splash_jax.kv.cache import KVCache, StepInput
 from splash_jax.mesh.layouts import AXIS, Layout
+from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +69,14 @@ def param_specs(state, layout: Layout):
     """PartitionSpec pytree matching the param state, from the layout's rule table."""
 
     def spec(path, _leaf):
-        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-        names = [n for n in names if n not in (None, "value")]
-        return layout.param_spec(tuple(names))
+        return layout.param_spec(param_path(path))
 
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def batch_specs() -> StepInput:
-    per_device = P(AXIS)
-    return StepInput(P(), P(), per_device, per_device, per_device, per_device, per_device, P())
+def param_path(path) -> tuple[str, ...]:
+    names = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
+    return tuple(str(n) for n in names if n not in (None, "value"))
 
 
 def _local(batch: StepInput) -> StepInput:
@@ -72,53 +84,88 @@ def _local(batch: StepInput) -> StepInput:
     return dataclasses.replace(batch, **{f: getattr(batch, f)[0] for f in PER_DEVICE_FIELDS})
 
 
-def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str, sampled: bool = True):
-    """The model step for `layout` as one shard_map over the mesh (not yet jitted)."""
+def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str):
+    """The model forward for `layout` as one shard_map over the mesh, on an unpacked StepInput
+    (per-device fields with a leading [N] axis): (state, kv, batch) -> (float32 logits, kv).
+    For checks and benchmarks; the engine runs `StepExecutor` programs."""
     ctx = ShardedContext(layout, mesh.shape[AXIS], impl)
 
-    def per_device(state, kv, batch, *sampling):
-        logits, kv = nnx.merge(graphdef, state)(kv, _local(batch), ctx=ctx)
-        return (sample(logits, sampling[0]) if sampled else logits), kv
+    def per_device(state, kv, batch):
+        return nnx.merge(graphdef, state)(kv, _local(batch), ctx=ctx)
 
     kv_specs = jax.tree.map(lambda _: P(AXIS), kv)
-    in_specs = (param_specs(state, layout), kv_specs, batch_specs()) + ((P(),) if sampled else ())
-    return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=(P(), kv_specs), check_vma=False)
+    batch_specs = StepInput(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P())
+    return jax.shard_map(
+        per_device, mesh=mesh, in_specs=(param_specs(state, layout), kv_specs, batch_specs),
+        out_specs=(P(), kv_specs), check_vma=False,
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepResult:
+    """A dispatched step's device outputs (nothing is read back until asked)."""
+
+    tokens: jax.Array  # [max_rows] int32: sampled tokens, padded (the next step may read them)
+    logprob: jax.Array  # [rows]
+    top_ids: jax.Array  # [rows, MAX_LOGPROBS]
+    top_logprobs: jax.Array
 
 
 class StepExecutor:
     def __init__(
         self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
-        impl: str, extra_pages_total: int = 0,
+        impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
     ):
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
+        leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)
+        self.paths = [param_path(p) for p, _ in leaves_with_paths]
+        self.params: list[jax.Array] = [x for _, x in leaves_with_paths]
         self.kv = kv
         self.mesh = mesh
         self.n = mesh.shape[AXIS]
+        self.layout = layout
         self.ladder = ladder  # (max tokens, max requests, min tokens) per step
         self.pages_per_request = pages_per_request
         self.impl = impl
-        self.replicated = NamedSharding(mesh, P())
-        self._programs: dict[str, object] = {}
-        self._compiled: dict[tuple[str, Bucket], object] = {}
-        self._input_shardings: dict[tuple[str, Bucket], object] = {}
-        self.layout = layout
+        self.widths = widths
+        self.max_rows = self.n * ladder[1]  # rows of the padded sampled-token vector, every layout
         self.extra_pages_total = extra_pages_total  # size of the extra segment when it exists
+        self.move_pages = move_pages  # pages per device pair in a `moving` program (0: none)
+        self.replicated = NamedSharding(mesh, P())
+        self.per_device = NamedSharding(mesh, P(AXIS))
+        vocab = model.cfg.vocab_size
+        self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
+        self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
+        self._compiled: dict[tuple[str, Bucket, bool], object] = {}
+        self.num_compiled = 0
+        self.compile_seconds = 0.0
+
+    # --- the device state this class owns -----------------------------------------------------
+    @property
+    def state(self):
+        """The params as an nnx State (for inspection and reshards; the hot path uses leaves)."""
+        return jax.tree_util.tree_unflatten(self.treedef, self.params)
+
+    def param_items(self) -> list[tuple[tuple[str, ...], jax.Array]]:
+        return list(zip(self.paths, self.params))
+
+    def swap(self, layout: Layout, params: list[jax.Array], kv: KVCache) -> None:
+        """Hand off to a new layout: its params and pool replace the old ones together."""
+        self.layout, self.params, self.kv = layout, params, kv
 
     # --- per-layout abstract state ---------------------------------------------------------
-    def state_abstract(self, layout: Layout):
-        """The param state as the layout places it (shapes and shardings only)."""
-        specs = param_specs(self.state, layout)
-        return jax.tree.map(
-            lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)),
-            self.state, specs,
+    def param_abstract(self, layout: Layout) -> tuple:
+        return tuple(
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, layout.param_spec(path)))
+            for path, x in zip(self.paths, self.params)
         )
 
     def kv_abstract(self, layout: Layout) -> KVCache:
         """The pool as the layout has it: the extra segment exists only under head-sharded layouts."""
-        sharding = NamedSharding(self.mesh, P(AXIS))
 
         def spec(x, pages=None):
-            return jax.ShapeDtypeStruct((pages or x.shape[0],) + x.shape[1:], x.dtype, sharding=sharding)
+            return jax.ShapeDtypeStruct((pages or x.shape[0],) + x.shape[1:], x.dtype, sharding=self.per_device)
 
         base_l, base_r = tuple(spec(x) for x in self.kv.latent), tuple(spec(x) for x in self.kv.rope)
         if layout.heads_sharded and self.extra_pages_total:
@@ -126,43 +173,52 @@ class StepExecutor:
             return KVCache(base_l, base_r, tuple(spec(x, e) for x in self.kv.latent), tuple(spec(x, e) for x in self.kv.rope))
         return KVCache(base_l, base_r)
 
-    def program(self, layout: Layout, sampled: bool = True):
-        """The jitted shard_map step for a layout: (state, kv, batch, sampling) -> (SampleOutput, kv),
-        or with sampled=False (state, kv, batch) -> (float32 logits, kv) for checks and benchmarks."""
-        key = (layout.name, sampled)
-        if key not in self._programs:
-            self._programs[key] = jax.jit(
-                layout_step(
-                    self.graphdef, self.state, self.kv_abstract(layout), self.mesh, layout, self.impl, sampled
-                ),
-                donate_argnums=(1,),
-            )
-        return self._programs[key]
-
-    # --- compilation ----------------------------------------------------------------------
-    def abstract_inputs(self, layout: Layout, bucket: Bucket):
-        n, m = self.n, self.pages_per_request
-        t_total = n * bucket.tokens if layout.owner_rows else bucket.tokens
-        rows = n * bucket.requests if layout.owner_rows else bucket.requests
-        per_device = NamedSharding(self.mesh, P(AXIS))
-
-        def arr(shape, dtype=jnp.int32, sharding=self.replicated):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-        t, g = bucket.tokens, self.kv_abstract(layout).num_segments
-        batch = StepInput(
-            arr((t_total,)), arr((t_total,)), arr((n, t), sharding=per_device), arr((n, g, t), sharding=per_device),
-            arr((n, t), sharding=per_device), arr((n, g, t), sharding=per_device),
-            arr((n, g, bucket.requests, m), sharding=per_device), arr((rows,)),
+    def shape(self, layout: Layout, bucket: Bucket) -> StepShape:
+        return StepShape(
+            bucket.tokens, bucket.requests, self.n, self.kv_abstract(layout).num_segments, self.pages_per_request,
+            layout.owner_rows, self.widths,
         )
-        sampling = SamplingInputs(
-            arr((rows,), jnp.float32), arr((rows,)), arr((rows,), jnp.float32), arr((rows,), jnp.uint32), arr((rows,))
-        )
-        return batch, sampling
 
-    def lower(self, layout: Layout, bucket: Bucket):
-        batch, sampling = self.abstract_inputs(layout, bucket)
-        return self.program(layout).lower(self.state_abstract(layout), self.kv_abstract(layout), batch, sampling)
+    # --- programs -------------------------------------------------------------------------------
+    def _program(self, layout: Layout, bucket: Bucket, moving: bool):
+        shape = self.shape(layout, bucket)
+        ctx = ShardedContext(layout, self.n, self.impl)
+        graphdef, treedef, max_rows = self.graphdef, self.treedef, self.max_rows
+
+        def per_device(params, kv, penalties, prev_tokens, rep, dev, *move):
+            if moving:
+                kv_in = kv
+                outgoing = move_pages_start(kv_in, move[0][0])
+            batch, sampling, token_slot, prompt_len = unpack_step(shape, rep, dev[0], prev_tokens)
+            model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
+            logits, kv = model(kv, batch, ctx=ctx)
+            if moving:
+                kv = move_pages_finish(kv, outgoing, move[0][0])
+            penalties = update_history(penalties, batch.tokens, batch.positions, token_slot, prompt_len)
+            out = sample(logits, sampling, penalties)
+            tokens = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
+            return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties
+
+        param_specs_ = tuple(layout.param_spec(p) for p in self.paths)
+        kv_specs = jax.tree.map(lambda _: P(AXIS), self.kv_abstract(layout))
+        pen_specs = jax.tree.map(lambda _: P(), self.penalties)
+        in_specs = (param_specs_, kv_specs, pen_specs, P(), P(), P(AXIS)) + ((P(AXIS),) if moving else ())
+        mapped = jax.shard_map(
+            per_device, mesh=self.mesh, in_specs=in_specs,
+            out_specs=(StepResult(P(), P(), P(), P()), kv_specs, pen_specs), check_vma=False,
+        )
+        return jax.jit(mapped, donate_argnums=(1, 2)), shape
+
+    def lower(self, layout: Layout, bucket: Bucket, moving: bool = False):
+        fn, shape = self._program(layout, bucket, moving)
+        rep = jax.ShapeDtypeStruct((shape.replicated_spec().size,), jnp.int32, sharding=self.replicated)
+        dev = jax.ShapeDtypeStruct((self.n, shape.device_spec().size), jnp.int32, sharding=self.per_device)
+        prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
+        pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
+        args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev, rep, dev]
+        if moving:
+            args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
+        return fn.lower(*args)
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""
@@ -171,15 +227,36 @@ class StepExecutor:
             min_tokens = max(1, min_tokens // self.n)
         return bucket_ladder(max_tokens, max_requests, min_tokens)
 
-    def compile_all(self, layouts: list[Layout] | None = None, show_progress: bool = True) -> float:
+    def compile_all(self, layouts: list[Layout] | None = None, moving: bool = False, show_progress: bool = True) -> float:
+        """Compile every (layout, bucket) program (and its `moving` variant), in parallel threads."""
         layouts = layouts or [self.layout]
-        todo = [(lay, b) for lay in layouts for b in self.buckets(lay) if (lay.name, b) not in self._compiled]
+        variants = (False, True) if moving and self.move_pages else (False,)
+        todo = [(lay, b, m) for lay in layouts for b in self.buckets(lay) for m in variants
+                if (lay.name, b, m) not in self._compiled]
         t0 = time.perf_counter()
-        for lay, bucket in tqdm(todo, desc="compiling steps", unit="program", disable=not show_progress, leave=False):
-            self._compiled[(lay.name, bucket)] = self.lower(lay, bucket).compile()
+        workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool, tqdm(
+            total=len(todo), desc="compiling steps", unit="program", disable=not show_progress, leave=False
+        ) as bar:
+            lowered = [(key, self.lower(*key)) for key in todo]  # tracing holds the GIL: do it here
+            futures = {pool.submit(low.compile): key for key, low in lowered}
+            for future in concurrent.futures.as_completed(futures):
+                lay, b, m = futures[future]
+                self._compiled[(lay.name, b, m)] = future.result()
+                bar.update()
         elapsed = time.perf_counter() - t0
-        log.info("compiled %d step programs (%s) in %.1fs", len(todo), ",".join(l.name for l in layouts), elapsed)
+        self.num_compiled += len(todo)
+        self.compile_seconds += elapsed
+        log.info("compiled %d step programs (%s) in %.1fs with %d threads", len(todo), ",".join(l.name for l in layouts), elapsed, workers)
         return elapsed
+
+    def compiled(self, layout: Layout, bucket: Bucket, moving: bool = False):
+        key = (layout.name, bucket, moving)
+        program = self._compiled.get(key)
+        if program is None:  # only without warm-up; compiles once per bucket
+            program = self._compiled[key] = self.lower(layout, bucket, moving).compile()
+            self.num_compiled += 1
+        return program
 
     def pick(self, num_tokens: int, num_requests: int) -> Bucket:
         for b in self.buckets(self.layout):
@@ -188,16 +265,19 @@ class StepExecutor:
         raise ValueError(f"no bucket holds {num_tokens} tokens / {num_requests} requests per device")
 
     # --- running --------------------------------------------------------------------------
-    def run(self, bucket: Bucket, batch: StepInput, sampling: SamplingInputs) -> SampleOutput:
-        """Dispatch one step (asynchronously); the cache is replaced by the updated one."""
-        key = (self.layout.name, bucket)
-        compiled = self._compiled.get(key)
-        if compiled is None:  # only without warm-up; compiles once per bucket
-            compiled = self._compiled[key] = self.lower(self.layout, bucket).compile()
-        shardings = self._input_shardings.get(key)
-        if shardings is None:
-            abstract = self.abstract_inputs(self.layout, bucket)
-            shardings = self._input_shardings[key] = jax.tree.map(lambda s: s.sharding, abstract)
-        batch, sampling = jax.device_put((batch, sampling), shardings)
-        out, self.kv = compiled(self.state, self.kv, batch, sampling)
+    def run(self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None) -> StepResult:
+        """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced."""
+        program = self.compiled(self.layout, bucket, move is not None)
+        inputs = [jax.device_put(rep, self.replicated), jax.device_put(dev, self.per_device)]
+        if move is not None:
+            inputs.append(jax.device_put(move, self.per_device))
+        out, self.kv, self.penalties = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)
+        self.prev_tokens = out.tokens
         return out
+
+    def reset_device_state(self) -> None:
+        """After a failed step the donated pool may be gone: start from an empty pool (callers recompute)."""
+        fresh = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_abstract(self.layout))
+        self.kv = jax.tree.map(lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)(), fresh)
+        self.penalties = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self.replicated), self.penalties)
+        self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)

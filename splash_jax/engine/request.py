@@ -119,6 +119,7 @@ class RequestMetrics:
     first_token: float | None = None
     finished: float | None = None
     num_preemptions: int = 0
+    num_step_failures: int = 0  # device steps that failed with this request in them
 
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
@@ -137,20 +138,20 @@ class Request:
     prompt_text: str | None = None
     sample_seed: int = 0  # the seed its sampling keys derive from (params.seed, or drawn by the engine)
     status: Status = Status.WAITING
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    output_logprobs: list[float] = dataclasses.field(default_factory=list)
-    output_top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose latent is in the cache
+    output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens that reached the host
+    num_computed: int = 0  # tokens whose latent is in the cache (or being written by a dispatched step)
+    num_pending: int = 0  # sampled tokens still on the device (overlapped scheduling: 0 or 1)
+    pending_row: int = -1  # their row in the last dispatched step's sampled tokens
+    slot: int = -1  # its row in the persistent page tables, sampling and penalty state while running
     device_pages: list[list[int]] = dataclasses.field(default_factory=list)  # per device, global page ids
     owner: int = 0  # device holding its pages under owner layouts (dp, dop)
     finish_reason: str | None = None
-    stop_text: str | None = None  # the stop string that ended it
-    text_sent: int = 0  # characters of the output text already returned as deltas
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.monotonic()))
     order: int = 0  # admission order (for preemption choice)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) of prompt + output without concatenating the whole sequence."""
+        """Known tokens [start, stop) of prompt + output without concatenating the whole sequence."""
         n = len(self.prompt_ids)
         if start >= n:
             return self.output_ids[start - n : stop - n]
@@ -159,8 +160,18 @@ class Request:
         return self.prompt_ids[start:] + self.output_ids[: stop - n]
 
     @property
-    def num_tokens(self) -> int:
+    def num_known(self) -> int:
+        """Tokens whose values the host has (prompt + outputs read back)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the sequence so far, including sampled ones still on the device."""
+        return self.num_known + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_pending
 
     @property
     def is_finished(self) -> bool:
@@ -169,18 +180,55 @@ class Request:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """What a caller gets back: the whole result so far plus the delta of this step."""
+    """What one step adds to a request: deltas only (a stream concatenates them).
+
+    The engine holds back text that may still become a stop string and drops a matched stop
+    string, so the concatenated `delta_text` is the final text. `Engine.generate()` returns
+    accumulated outputs, where `text`, `token_ids`, `logprobs` and `top_logprobs` are the whole
+    result; on streamed outputs those stay empty.
+    """
 
     request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta_text: str
     delta_token_ids: list[int]
+    delta_text: str
     finished: bool
     finish_reason: str | None
-    logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
+    delta_logprobs: list[float] | None = None
+    delta_top_logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
     ttft: float | None = None
     tpot: float | None = None
     error: str | None = None
+    # Accumulated results (Engine.generate, AsyncEngine collectors); empty on streamed deltas.
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+
+    def accumulate(self, delta: "RequestOutput") -> "RequestOutput":
+        """Fold a newer delta of the same request into this accumulated output (in place)."""
+        self.token_ids += delta.delta_token_ids
+        self.text += delta.delta_text
+        if delta.delta_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.delta_logprobs
+            self.top_logprobs = (self.top_logprobs or []) + (delta.delta_top_logprobs or [])
+        for f in ("finished", "finish_reason", "stop_reason", "num_output_tokens", "ttft", "tpot", "error"):
+            setattr(self, f, getattr(delta, f))
+        self.delta_token_ids, self.delta_text = delta.delta_token_ids, delta.delta_text
+        self.delta_logprobs, self.delta_top_logprobs = delta.delta_logprobs, delta.delta_top_logprobs
+        return self
+
+
+def accumulate(acc: dict[str, RequestOutput], deltas: list[RequestOutput]) -> list[RequestOutput]:
+    """Fold one step's deltas into per-request accumulated outputs (kept in `acc` by request id);
+    returns the accumulated outputs this step touched, in order (notebooks, tests, collectors)."""
+    touched = []
+    for d in deltas:
+        out = acc.get(d.request_id)
+        if out is None:
+            out = acc[d.request_id] = RequestOutput(d.request_id, [], "", False, None, num_prompt_tokens=d.num_prompt_tokens)
+        touched.append(out.accumulate(d))
+    return touched

@@ -1,13 +1,23 @@
-"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+"""Continuous-batching scheduler in two halves: `schedule()` before a step, `update()` after it.
 
-Each step, in order:
+schedule() -> SchedulerOutput, in order:
   1. Running requests that decode (one token left to compute) get their token first.
   2. Running requests part-way through their prefill continue, within the token budget.
   3. Waiting requests are admitted in arrival order while the token budget, the request
-     limit and free pages allow; a prompt longer than the remaining budget is chunked.
-A request whose next token needs a page when none is free preempts the most recently
-admitted running request not yet scheduled this step (or itself): its pages are freed and it
-goes back to the front of the waiting queue keeping its output, to be recomputed later.
+     limit, free slots and free pages allow; a prompt longer than the remaining budget is chunked.
+  A scheduled chunk counts as computed at once (num_computed advances when it is scheduled), so
+  the next step can be scheduled before this one's tokens reach the host (overlapped
+  scheduling); a chunk that reaches the end of the sequence samples a token, which stays
+  pending (on the device) until `update()` sees it. A request that has sampled its last allowed
+  token (max_tokens, the model length) is not scheduled again: its pending token finishes it.
+  A request whose next token needs a page when none is free preempts the most recently
+  admitted running request not yet scheduled this step (or itself): its pages and slot are
+  freed and it goes back to the front of the waiting queue keeping its output, to be recomputed.
+
+update(step, tokens) after a step's tokens reach the host: appends each sampled token, applies
+the token-level stops (EOS, stop_token_ids, max_tokens, model length) and finishes requests
+(freeing their pages and slots). Tokens of requests that finished meanwhile are dropped, so a
+token sampled past a stop is never shown. Stop strings need text: the engine calls `finish()`.
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ import logging
 
 from splash_jax.engine.request import Request, Status
 from splash_jax.kv.allocator import PageAllocator
-from splash_jax.kv.placement import pages_needed
+from splash_jax.kv.page_table import PageTables
+from splash_jax.kv.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +38,30 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class ScheduledChunk:
     request: Request
-    start: int  # first position computed this step (== request.num_computed)
+    start: int  # first position computed this step
     num_tokens: int
+    samples: bool  # reaches the end of the sequence: a token is sampled
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the request's last known token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def end(self) -> int:
+        return self.start + self.num_tokens
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.token_slice(self.start, self.start + self.num_tokens)
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+
+
+@dataclasses.dataclass
+class TokenUpdate:
+    """One sampled token as update() applied it."""
+
+    request: Request
+    token: int
+    row: int  # its row in the step's outputs
+    finish_reason: str | None  # set when a token-level stop finished the request
+    stop_token: bool  # the token is EOS or a stop_token_id (its text is not shown)
 
 
 class Scheduler:
@@ -46,18 +70,25 @@ class Scheduler:
         allocator: PageAllocator,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        placement: Placement,
+        max_model_len: int,
+        pages_per_request: int,
+        eos_ids: set[int] = frozenset(),
         enable_chunked_prefill: bool = True,
-        kv_placement: str = "replicated",
     ):
         self.allocator = allocator
         self.n = allocator.num_devices
-        self.kv_placement = kv_placement
+        self.placement = placement
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_ids = set(eos_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.tables = PageTables(self.n, max_num_seqs, pages_per_request)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._order = itertools.count()
         self.num_preemptions = 0
 
@@ -66,38 +97,47 @@ class Scheduler:
         request.status = Status.WAITING
         self.waiting.append(request)
 
-    def remove(self, request: Request) -> None:
-        """Drop a request (finished or aborted) and free its pages."""
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (stopped, aborted, failed): free its pages and slot."""
+        if request.status == Status.FINISHED:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
         request.status = Status.FINISHED
+        request.finish_reason = request.finish_reason or reason
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # --- one step -------------------------------------------------------------------------
-    def schedule(self) -> list[ScheduledChunk]:
+    def sampling_done(self, request: Request) -> bool:
+        """It has sampled its last allowed token (which may still be pending)."""
+        return request.num_generated >= request.params.max_tokens or request.num_tokens >= self.max_model_len
+
+    # --- before a step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
         scheduled: set[int] = set()
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        todo = [r for r in self.running if r.num_tokens > r.num_computed]
+        decoding = [r for r in todo if r.num_tokens - r.num_computed == 1 and not self.sampling_done(r)]
+        prefilling = [r for r in todo if r.num_tokens - r.num_computed > 1]
         for request in decoding + prefilling:
             if request not in self.running or budget == 0:
                 continue  # preempted by an earlier request of this step, or out of budget
             n = min(request.num_tokens - request.num_computed, budget)
             if not self.enable_chunked_prefill and n < request.num_tokens - request.num_computed:
                 continue
-            if not self._ensure_pages(request, request.num_computed + n, scheduled):
+            if not self._ensure_pages(request, request.num_computed + n, scheduled, preempted):
                 continue  # it preempted itself
-            chunks.append(ScheduledChunk(request, request.num_computed, n))
+            chunks.append(self._take(request, n))
             scheduled.add(id(request))
             budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._free_slots:
             request = self.waiting[0]
             remaining = request.num_tokens - request.num_computed
             if not self.enable_chunked_prefill and remaining > budget:
@@ -105,35 +145,47 @@ class Scheduler:
             n = min(remaining, budget)
             request.device_pages = [[] for _ in range(self.n)]
             request.owner = self.least_loaded_device()
+            request.slot = self._free_slots.pop()
             if not self.allocate(request, request.num_computed + n):
+                self._free_slots.append(request.slot)
+                request.slot = -1
                 break  # admission only when its pages are there
             self.waiting.popleft()
             request.status = Status.RUNNING
             request.order = next(self._order)
             self.running.append(request)
-            chunks.append(ScheduledChunk(request, request.num_computed, n))
+            chunks.append(self._take(request, n))
             scheduled.add(id(request))
             budget -= n
-        return chunks
+        return SchedulerOutput(chunks, preempted)
 
-    def _ensure_pages(self, request: Request, upto: int, scheduled: set[int]) -> bool:
+    def _take(self, request: Request, n: int) -> ScheduledChunk:
+        chunk = ScheduledChunk(request, request.num_computed, n, request.num_computed + n == request.num_tokens)
+        request.num_computed += n
+        request.num_pending += chunk.samples
+        return chunk
+
+    def _ensure_pages(self, request: Request, upto: int, scheduled: set[int], preempted: list[Request]) -> bool:
         """Grow `request` to hold `upto` tokens, preempting others if needed; False if it preempted itself."""
         while not self.allocate(request, upto):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             victim = max(victims, key=lambda r: r.order) if victims else request
             self.preempt(victim)
+            preempted.append(victim)
             if victim is request:
                 return False
         return True
 
     def allocate(self, request: Request, upto: int) -> bool:
         """Give `request` the pages it needs on every device to hold `upto` tokens, or nothing."""
-        need = pages_needed(self.kv_placement, self.n, request.owner, request.device_pages, upto, self.page_size)
+        need = self.placement.pages_needed(self.n, request.owner, request.device_pages, upto, self.page_size)
         if any(k > self.allocator.num_free(d) for d, k in enumerate(need)):
             return False
         for d, k in enumerate(need):
             if k:
-                request.device_pages[d] += self.allocator.allocate(k, d)
+                pages = self.allocator.allocate(k, d)
+                request.device_pages[d] += pages
+                self.tables.append(request.slot, d, pages, self.placement, self.allocator)
         return True
 
     def least_loaded_device(self) -> int:
@@ -144,7 +196,7 @@ class Scheduler:
         return max(range(self.n), key=lambda d: (self.allocator.num_free(d), -counts[d], -d))
 
     def preempt(self, request: Request) -> None:
-        """Free a running request's pages and requeue it first; it keeps its output and recomputes."""
+        """Free a running request's pages and slot and requeue it first; it keeps its output and recomputes."""
         log.debug("preempting %s (%d tokens computed)", request.request_id, request.num_computed)
         self.running.remove(request)
         self._release(request)
@@ -158,3 +210,39 @@ class Scheduler:
             self.allocator.free(pages)
         request.device_pages = []
         request.num_computed = 0
+        if request.slot >= 0:
+            self.tables.clear(request.slot)
+            self._free_slots.append(request.slot)
+            request.slot = -1
+
+    # --- layout switches ----------------------------------------------------------------------
+    def set_placement(self, placement: Placement) -> None:
+        self.placement = placement
+
+    def replace_pages(self, request: Request, device_pages: list[list[int]], owner: int) -> None:
+        """A switch handed off: the request's pages are now `device_pages` under the new placement."""
+        request.device_pages, request.owner = device_pages, owner
+        self.tables.rebuild(request.slot, device_pages, self.placement, self.allocator)
+
+    # --- after a step -------------------------------------------------------------------------
+    def update(self, chunks: list[ScheduledChunk], rows: list[int], tokens) -> list[TokenUpdate]:
+        """Apply a finished step's sampled tokens (tokens[rows[i]] for the i-th sampling chunk)."""
+        updates = []
+        for chunk, row in zip((c for c in chunks if c.samples), rows):
+            request = chunk.request
+            request.num_pending -= 1
+            if request.status == Status.FINISHED:
+                continue  # stopped or aborted while this step ran: its token is dropped
+            token = int(tokens[row])
+            request.output_ids.append(token)
+            p = request.params
+            stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
+            reason = None
+            if stop_token and len(request.output_ids) >= p.min_tokens:
+                reason, request.stop_reason = "stop", (token if token in p.stop_token_ids else None)
+            elif len(request.output_ids) >= p.max_tokens or request.num_known >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                self.finish(request, reason)
+            updates.append(TokenUpdate(request, token, row, reason, stop_token and reason == "stop"))
+        return updates

@@ -64,12 +64,9 @@ def extra_pages_per_device(head_sharded_bytes: int, n: int, page_bytes: int) -> 
     return int(head_sharded_bytes * (n - 1) // n // page_bytes)
 
 
-def layout_token_capacity(kv_placement: str, n: int, base_pages: int, extra_pages: int, page_size: int) -> int:
-    """Tokens of distinct requests the pool holds under a layout (replicas count once)."""
-    per_device = base_pages + extra_pages
-    if kv_placement == "replicated":
-        return per_device * page_size
-    return n * per_device * page_size
+def layout_token_capacity(kv_placement, n: int, base_pages: int, extra_pages: int, page_size: int) -> int:
+    """Tokens of distinct requests the pool holds under a placement (replicas count once)."""
+    return n * (base_pages + extra_pages) * page_size // kv_placement.distinct_copies(n)
 
 
 def layout_capacities(cfg: ModelConfig, n: int, page_size: int, dtype, base_pages: int, head_sharded_bytes: int) -> dict:

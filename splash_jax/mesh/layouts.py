@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from splash_jax.kv.placement import OWNER, REPLICATED, STRIPED, Placement
+
 AXIS = "dev"
 LAYOUT_NAMES = ("tp", "dp", "dop", "cp")
 
@@ -50,8 +52,13 @@ FIXED = {
 class Layout:
     name: str
     heads_sharded: bool
-    kv_placement: str  # replicated | owner | striped
+    kv_placement: Placement  # where a request's pages live (kv/placement.py)
     owner_rows: bool  # queries: owner's rows (True) or all tokens (False)
+
+    @property
+    def keeps_owner(self) -> bool:
+        """A request of this layout has one owner device worth keeping across a switch."""
+        return self.kv_placement is OWNER
 
     def param_spec(self, path: tuple) -> P:
         role = str(path[-1])
@@ -61,10 +68,10 @@ class Layout:
 
 
 LAYOUTS = {
-    "tp": Layout("tp", heads_sharded=True, kv_placement="replicated", owner_rows=False),
-    "dp": Layout("dp", heads_sharded=False, kv_placement="owner", owner_rows=True),
-    "dop": Layout("dop", heads_sharded=True, kv_placement="owner", owner_rows=True),
-    "cp": Layout("cp", heads_sharded=True, kv_placement="striped", owner_rows=False),
+    "tp": Layout("tp", heads_sharded=True, kv_placement=REPLICATED, owner_rows=False),
+    "dp": Layout("dp", heads_sharded=False, kv_placement=OWNER, owner_rows=True),
+    "dop": Layout("dop", heads_sharded=True, kv_placement=OWNER, owner_rows=True),
+    "cp": Layout("cp", heads_sharded=True, kv_placement=STRIPED, owner_rows=False),
 }
 
 

@@ -1,9 +1,11 @@
 """Runs a layout switch alongside decoding: background page copies, then a batch-boundary handoff.
 
 Phases of a switch (engine.step() drives them; nothing here blocks the caller):
-  migrating: each step, after the model step is dispatched, up to `chunk_pages` pages per
-             device pair are copied. Only full pages are copied here: decode writes only at or
-             after a request's last position, so a full page never changes again.
+  migrating: each step carries up to `chunk_pages` page copies per device pair INSIDE the step
+             program (StepExecutor's `moving` variant: an all_to_all XLA runs beside the
+             forward pass), so the moves cost no separate program the next step waits on.
+             Only full pages are copied here: decode writes only at or after a request's last
+             position, so a full page never changes again.
   handoff  : at the next batch boundary once the background copies are done: plans extend to
              every page holding data (the partial last pages, requests admitted meanwhile), those
              few copies run, then page tables, owners, the pool's extra segment, the weights
@@ -21,12 +23,11 @@ import time
 from collections import Counter
 
 import jax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from splash_jax.kv.allocator import OutOfPages
 from splash_jax.mesh.layouts import AXIS, Layout, get_layout
-from splash_jax.switch.migration import PageMover, WeightResharder, drop_extra_segment, pack_chunks
+from splash_jax.switch.migration import PageMover, WeightResharder, chunk_buffer, drop_extra_segment, pack_chunks
 from splash_jax.switch.planner import (
     SwitchRefused,
     TransitionPlan,
@@ -115,10 +116,10 @@ class SwitchController:
     # --- start-up compilation ------------------------------------------------------------------
     def _precompile_weight_programs(self) -> None:
         head, flat = get_layout("tp"), get_layout("dp")
-        for path, var in nnx.to_flat_state(self.engine.executor.state):
-            sharded, replicated = head.param_spec(tuple(map(str, path))), flat.param_spec(tuple(map(str, path)))
+        for path, x in self.engine.executor.param_items():
+            sharded, replicated = head.param_spec(path), flat.param_spec(path)
             if sharded != replicated:
-                abstract = jax.ShapeDtypeStruct(var.shape, var.dtype)
+                abstract = jax.ShapeDtypeStruct(x.shape, x.dtype)
                 self.resharder.program(abstract, sharded, replicated)
                 self.resharder.program(abstract, replicated, sharded)
 
@@ -162,7 +163,7 @@ class SwitchController:
             reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners)
         if reason:
             return self._refuse(handle, reason)
-        params = [(tuple(map(str, p)), v[...].nbytes) for p, v in nnx.to_flat_state(engine.executor.state)]
+        params = [(p, x.nbytes) for p, x in engine.executor.param_items()]
         plan = TransitionPlan(
             src, dst, {}, plan_weights(params, src, dst),
             "add" if dst.heads_sharded and not src.heads_sharded else ("remove" if src.heads_sharded and not dst.heads_sharded else "keep"),
@@ -212,27 +213,58 @@ class SwitchController:
             self._handoff(handle, plan)
 
     def after_step(self) -> None:
-        """Between steps: one bounded chunk of background page copies."""
-        if self.active is None:
-            return
+        """Nothing to do between steps any more: the copies ride inside the steps."""
+
+    def step_moves(self):
+        """The page copies the next step carries ([N, 4*N*K] index buffer), or None."""
+        if self.active is None or not self.engine.executor.move_pages:
+            return None
         handle, plan = self.active
+        if handle._cancel:
+            return None
+        copies = self._take(plan)
+        if not copies:
+            return None
+        (chunk,) = pack_chunks(copies, self.engine.allocator, self.chunk_pages)
         handle.steps_overlapped += 1
-        self._copy(handle, plan, limit=self.chunk_pages)
+        handle.pages_copied += len(copies)
+        handle.bytes_moved += len(copies) * self.engine.page_bytes
+        return chunk_buffer(chunk)
 
     # --- internals ---------------------------------------------------------------------------------
     def _pending(self, plan: TransitionPlan) -> list[tuple[str, tuple[int, int]]]:
         return [(rid, c) for rid, p in plan.requests.items() for c in p.copies[self._cursor[rid]:]]
 
-    def _copy(self, handle: SwitchHandle, plan: TransitionPlan, limit: int | None) -> None:
+    def _take(self, plan: TransitionPlan) -> list[tuple[int, int]]:
+        """The next copies, at most chunk_pages per device pair, advancing each request's cursor."""
+        k = self.chunk_pages
+        per_pair: Counter = Counter()
+        taken = []
+        locate = self.engine.allocator.locate
+        for rid, p in plan.requests.items():
+            cur = self._cursor[rid]
+            while cur < len(p.copies):
+                src, dst = p.copies[cur]
+                pair = (int(locate([src])[0][0]), int(locate([dst])[0][0]))
+                if per_pair[pair] >= k:
+                    break
+                per_pair[pair] += 1
+                cur += 1
+                taken.append((src, dst))
+            self._cursor[rid] = cur
+        return taken
+
+    def _copy(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
+        """Run every pending copy now with the standalone mover (handoff: the last few pages)."""
         pending = self._pending(plan)
-        if limit is not None:
-            pending = pending[: limit * self.engine.n]  # about `limit` pages per device pair
         if not pending:
             return
         engine = self.engine
         mover = self.movers[engine.executor.kv.num_segments]
+        kv = engine.executor.kv
         for chunk in pack_chunks([c for _, c in pending], engine.allocator, self.chunk_pages):
-            engine.executor.kv = mover(engine.executor.kv, chunk)
+            kv = mover(kv, chunk)
+        engine.executor.kv = kv
         for rid, _ in pending:
             self._cursor[rid] += 1
         handle.pages_copied += len(pending)
@@ -278,42 +310,42 @@ class SwitchController:
                     handle.preempted.append(victim.request_id)
                     if victim is r:
                         break
-        self._copy(handle, plan, limit=None)
+        self._copy(handle, plan)
         # 2. Page tables and owners change; pages the destination does not keep are freed.
+        sched.set_placement(dst.kv_placement)
         for p in plan.requests.values():
             finalize_frees(p)
             engine.allocator.free(p.to_free)
-            p.request.device_pages = p.dst_pages
-            p.request.owner = p.owner
         ex = engine.executor
         # 3. Pool segment and weights, in the order that never needs both memories at once.
         if plan.extra_segment == "remove":
             engine.allocator.remove_extra_segment()
             ex.kv = drop_extra_segment(ex.kv)
-        self._reshard_weights(dst)
+        params = self._resharded_weights(dst)
+        kv = ex.kv
         if plan.extra_segment == "add" and self._make_extra is not None:
             arrays = self._make_extra()
-            n_layers = len(ex.kv.latent)
-            ex.kv = dataclasses.replace(ex.kv, extra_latent=tuple(arrays[:n_layers]), extra_rope=tuple(arrays[n_layers:]))
+            n_layers = len(kv.latent)
+            kv = dataclasses.replace(kv, extra_latent=tuple(arrays[:n_layers]), extra_rope=tuple(arrays[n_layers:]))
             engine.allocator.add_extra_segment(engine.extra_pages)
-        # 4. The step executable and the scheduler's placement rule.
-        engine.layout = ex.layout = dst
-        sched.kv_placement = dst.kv_placement
+        # 4. Page tables follow the new pages (per running request, not per pool page); then the
+        #    executor's params, pool and layout change together.
+        for p in plan.requests.values():
+            sched.replace_pages(p.request, p.dst_pages, p.owner)
+        ex.swap(dst, params, kv)
+        engine.layout = dst
         handle.handoff_s = time.perf_counter() - t0
         handle.plan = plan.summary()
         self._finish(handle, SwitchState.DONE)
         log.info("switch %s -> %s done: %s", src.name, dst.name, handle.as_dict())
 
-    def _reshard_weights(self, dst: Layout) -> None:
-        ex = self.engine.executor
-        flat = []
-        for path, var in nnx.to_flat_state(ex.state):
-            target = dst.param_spec(tuple(map(str, path)))
-            x = var[...]
-            if x.sharding.spec != target:
-                x = self.resharder(x, target)
-            flat.append((path, var.replace(x)))
-        ex.state = nnx.from_flat_state(flat)
+    def _resharded_weights(self, dst: Layout) -> list:
+        """The params as `dst` places them (dispatched, not waited for: the next step consumes them)."""
+        out = []
+        for path, x in self.engine.executor.param_items():
+            target = dst.param_spec(path)
+            out.append(self.resharder(x, target) if x.sharding.spec != target else x)
+        return out
 
     def _finish(self, handle: SwitchHandle, state: SwitchState) -> None:
         handle.state, handle.finished = state, time.perf_counter()

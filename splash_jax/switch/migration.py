@@ -66,6 +66,20 @@ def pack_chunks(copies: list[tuple[int, int]], allocator: PageAllocator, k: int)
     return chunks
 
 
+MOVE_FIELDS = ("send_ids", "send_seg", "recv_ids", "recv_seg")
+
+
+def chunk_buffer(chunk: PageChunk) -> np.ndarray:
+    """A chunk's index arrays as one per-device int32 buffer [N, 4*N*K] (one transfer)."""
+    n = chunk.send_ids.shape[0]
+    return np.concatenate([getattr(chunk, f).reshape(n, -1) for f in MOVE_FIELDS], axis=1)
+
+
+def _split(buf: jax.Array, n: int):
+    k = buf.shape[0] // (len(MOVE_FIELDS) * n)
+    return [buf[i * n * k : (i + 1) * n * k].reshape(n, k) for i in range(len(MOVE_FIELDS))]
+
+
 def _gather_pages(pools, ids, seg):
     """Rows `ids` from the pool segment `seg` names: [N, K] -> [N, K, S, D]."""
     base = pools[0][jnp.clip(ids, 0, pools[0].shape[0] - 1)]
@@ -82,39 +96,57 @@ def _scatter_pages(pools, data, ids, seg):
     return out
 
 
+def move_pages_start(kv: KVCache, buf: jax.Array) -> jax.Array:
+    """Per device, inside shard_map: gather the pages this device sends (every layer, latent and
+    rope side by side) and exchange them with one all_to_all. Reads `kv` only, so it can run
+    beside a forward pass that writes other pages of the same pool."""
+    n = jax.lax.axis_size(AXIS)
+    send_ids, send_seg, _, _ = _split(buf, n)
+    data = []
+    for i in range(kv.num_layers):
+        parts = [_gather_pages([seg[p] for seg in kv.layer(i)], send_ids, send_seg) for p in range(2)]
+        data.append(jnp.concatenate(parts, axis=-1))  # [N, K, S, latent + rope]
+    data = jnp.stack(data, axis=2)  # [N, K, L, S, D]
+    return jax.lax.all_to_all(data, AXIS, split_axis=0, concat_axis=0, tiled=True)
+
+
+def move_pages_finish(kv: KVCache, received: jax.Array, buf: jax.Array) -> KVCache:
+    """Scatter received pages into their reserved destination pages (sentinel ids are dropped)."""
+    n = jax.lax.axis_size(AXIS)
+    _, _, recv_ids, recv_seg = _split(buf, n)
+    latent_dim = kv.latent[0].shape[-1]
+    layers = []
+    for i in range(kv.num_layers):
+        segments = kv.layer(i)
+        data = received[:, :, i]
+        moved = [
+            _scatter_pages([seg[0] for seg in segments], data[..., :latent_dim], recv_ids, recv_seg),
+            _scatter_pages([seg[1] for seg in segments], data[..., latent_dim:], recv_ids, recv_seg),
+        ]
+        layers.append(tuple(zip(moved[0], moved[1])))
+    return KVCache.from_layers(layers)
+
+
 class PageMover:
-    """The precompiled page-copy program for one KV structure (with or without the extra segment)."""
+    """The precompiled standalone page-copy program for one KV structure (with or without the
+    extra segment): for the few copies a handoff must finish at once (partial last pages)."""
 
     def __init__(self, mesh, kv_abstract: KVCache, k: int):
         self.mesh, self.k = mesh, k
         n = mesh.shape[AXIS]
         per_device = NamedSharding(mesh, P(AXIS))
 
-        def per_device_fn(kv: KVCache, send_ids, send_seg, recv_ids, recv_seg):
-            send_ids, send_seg, recv_ids, recv_seg = send_ids[0], send_seg[0], recv_ids[0], recv_seg[0]
-            layers = []
-            for i in range(kv.num_layers):
-                segments = kv.layer(i)
-                moved = []
-                for part in range(2):  # latent, rope
-                    pools = [seg[part] for seg in segments]
-                    data = _gather_pages(pools, send_ids, send_seg)
-                    data = jax.lax.all_to_all(data, AXIS, split_axis=0, concat_axis=0, tiled=True)
-                    moved.append(_scatter_pages(pools, data, recv_ids, recv_seg))
-                layers.append(tuple(zip(moved[0], moved[1])))
-            return KVCache.from_layers(layers)
+        def per_device_fn(kv: KVCache, buf):
+            return move_pages_finish(kv, move_pages_start(kv, buf[0]), buf[0])
 
         kv_specs = jax.tree.map(lambda _: P(AXIS), kv_abstract)
-        mapped = jax.shard_map(
-            per_device_fn, mesh=mesh, in_specs=(kv_specs,) + (P(AXIS),) * 4, out_specs=kv_specs, check_vma=False
-        )
-        idx = jax.ShapeDtypeStruct((n, n, k), jnp.int32, sharding=per_device)
-        self.compiled = jax.jit(mapped, donate_argnums=(0,)).lower(kv_abstract, idx, idx, idx, idx).compile()
+        mapped = jax.shard_map(per_device_fn, mesh=mesh, in_specs=(kv_specs, P(AXIS)), out_specs=kv_specs, check_vma=False)
+        idx = jax.ShapeDtypeStruct((n, len(MOVE_FIELDS) * n * k), jnp.int32, sharding=per_device)
+        self.compiled = jax.jit(mapped, donate_argnums=(0,)).lower(kv_abstract, idx).compile()
         self.index_sharding = per_device
 
     def __call__(self, kv: KVCache, chunk: PageChunk) -> KVCache:
-        arrays = jax.device_put((chunk.send_ids, chunk.send_seg, chunk.recv_ids, chunk.recv_seg), self.index_sharding)
-        return self.compiled(kv, *arrays)
+        return self.compiled(kv, jax.device_put(chunk_buffer(chunk), self.index_sharding))
 
 
 class WeightResharder:

@@ -82,12 +82,8 @@ class TransitionPlan:
         }
 
 
-def dst_devices(layout: Layout, n: int, owner: int, page_index: int) -> list[int]:
-    if layout.kv_placement == "replicated":
-        return list(range(n))
-    if layout.kv_placement == "striped":
-        return [page_index % n]
-    return [owner]
+def dst_devices(layout: Layout, n: int, owner: int, page_index: int) -> tuple[int, ...]:
+    return layout.kv_placement.devices_of_page(page_index, owner, n)
 
 
 def page_holders(layout: Layout, n: int, device_pages: list[list[int]]) -> dict[int, list[tuple[int, int]]]:
@@ -95,8 +91,7 @@ def page_holders(layout: Layout, n: int, device_pages: list[list[int]]) -> dict[
     holders: dict[int, list[tuple[int, int]]] = {}
     for d, pages in enumerate(device_pages):
         for k, page in enumerate(pages):
-            j = d + k * n if layout.kv_placement == "striped" else k
-            holders.setdefault(j, []).append((d, page))
+            holders.setdefault(layout.kv_placement.page_index(d, k, n), []).append((d, page))
     return holders
 
 
@@ -116,19 +111,28 @@ def plan_request(
     num_pages = pages_for_tokens(upto_tokens if upto_tokens is not None else request.num_computed, allocator.page_size)
     holders = page_holders(src, n, request.device_pages)
     plan = existing or RequestPlan(request, owner, [[] for _ in range(n)], [], [], [], 0)
-    for j in range(plan.planned_pages, num_pages):
-        have = holders.get(j, [])
-        for d in dst_devices(dst, n, plan.owner, j):
-            local = [p for dev, p in have if dev == d]
-            usable = [p for p in local if not (base_only and allocator.locate([p])[1][0] == 1)]
-            if usable:
-                plan.dst_pages[d].append(usable[0])
-                continue
-            new = allocator.allocate_base(d) if base_only else allocator.allocate(1, d)[0]
-            plan.reserved.append(new)
-            plan.dst_pages[d].append(new)
-            src_page = local[0] if local else have[0][1]
-            plan.copies.append((src_page, new))
+    # All or nothing: a failed extension (no free page) leaves `existing` exactly as it was.
+    lengths = [len(x) for x in plan.dst_pages], len(plan.reserved), len(plan.copies)
+    try:
+        for j in range(plan.planned_pages, num_pages):
+            have = holders.get(j, [])
+            for d in dst_devices(dst, n, plan.owner, j):
+                local = [p for dev, p in have if dev == d]
+                usable = [p for p in local if not (base_only and allocator.locate([p])[1][0] == 1)]
+                if usable:
+                    plan.dst_pages[d].append(usable[0])
+                    continue
+                new = allocator.allocate_base(d) if base_only else allocator.allocate(1, d)[0]
+                plan.reserved.append(new)
+                plan.dst_pages[d].append(new)
+                src_page = local[0] if local else have[0][1]
+                plan.copies.append((src_page, new))
+    except Exception:
+        allocator.free(plan.reserved[lengths[1]:])
+        for d, k in enumerate(lengths[0]):
+            del plan.dst_pages[d][k:]
+        del plan.reserved[lengths[1]:], plan.copies[lengths[2]:]
+        raise
     plan.planned_pages = num_pages
     return plan
 
@@ -141,7 +145,7 @@ def finalize_frees(plan: RequestPlan) -> None:
 
 def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Counter) -> int:
     """Keep the owner between owner layouts; otherwise the device holding most of its pages, then least loaded."""
-    if src.kv_placement == "owner":
+    if src.keeps_owner:
         return request.owner
     counts = [len(p) for p in request.device_pages] if request.device_pages else [0] * n
     best = max(counts)
@@ -155,12 +159,7 @@ def capacity_check(requests: list[Request], dst: Layout, allocator: PageAllocato
     need = np.zeros(n, np.int64)
     for r in requests:
         g = pages_for_tokens(r.num_tokens + 1, page_size)
-        if dst.kv_placement == "replicated":
-            need += g
-        elif dst.kv_placement == "striped":
-            need += np.array([len(range(d, g, n)) for d in range(n)])
-        else:
-            need[owners[r.request_id]] += g
+        need += np.asarray(dst.kv_placement.per_device_need(n, owners.get(r.request_id, 0), g))
     worst = int(np.argmax(need - dst_pages_per_device))
     if need[worst] > dst_pages_per_device:
         return (

@@ -1,0 +1,267 @@
+"""The one step packer: scheduled chunks -> two int32 buffers a step program unpacks on device.
+
+N = 1 is the degenerate case of N devices, and every layout packs through the same code:
+  replicated buffer  [X]     tokens, positions, src_row (device-fed tokens), token_slot,
+                             prompt_len, logits_index, and every SamplingInputs field
+  per-device buffer  [N, Y]  token_request, write_offset, write_page [G, Tq], kv_lens [G, Tq],
+                             page_table [G, Rq, M] with page ids local to the device's pool
+One transfer each per step (floats travel bit-cast), instead of a dozen small copies.
+
+Token slots: layouts with owner rows lay tokens out device-major (device d's requests fill
+segment d of Tq slots, page-table rows 0.. of device d); the others put every token in every
+device's view. Sampled rows are in chunk order for every layout (logits are replicated).
+Page facts come from the scheduler's persistent PageTables, gathered by slot (no per-request
+Python work beyond reading a few integers). A token whose value is still on the device (sampled
+by the previous step, overlapped scheduling) gets src_row >= 0: the program reads it from the
+previous step's sampled tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from splash_jax.engine.sampler import SamplerWidths, SamplingInputs
+from splash_jax.kv.cache import StepInput
+from splash_jax.kv.page_table import PageTables
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    """Named fixed-shape fields laid end to end in one int32 buffer (4-byte dtypes only)."""
+
+    fields: tuple[Field, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.fields)
+
+    def pack(self, arrays: dict[str, np.ndarray], lead: tuple[int, ...] = ()) -> np.ndarray:
+        parts = [np.ascontiguousarray(arrays[f.name], f.dtype).view(np.int32).reshape(lead + (-1,)) for f in self.fields]
+        return np.concatenate(parts, axis=-1)
+
+    def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:
+        """Inside a program: static slices of a 1-D int32 buffer, bit-cast back to each dtype."""
+        out, at = {}, 0
+        for f in self.fields:
+            x = buf[at : at + f.size].reshape(f.shape)
+            if f.dtype != np.int32:
+                x = x.view(f.dtype) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, jnp.dtype(f.dtype))
+            out[f.name], at = x, at + f.size
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """Shapes of one compiled step: per query-device tokens/requests, devices, segments, pages."""
+
+    tokens: int  # Tq: token slots per query device
+    requests: int  # Rq: request rows per query device
+    devices: int
+    segments: int
+    pages: int  # M: page-table width (pages a request may hold on one device)
+    owner_rows: bool
+    widths: SamplerWidths
+
+    @property
+    def total_tokens(self) -> int:
+        return self.devices * self.tokens if self.owner_rows else self.tokens
+
+    @property
+    def rows(self) -> int:
+        return self.devices * self.requests if self.owner_rows else self.requests
+
+    def replicated_spec(self) -> BufferSpec:
+        t, r = self.total_tokens, self.rows
+        sampling = SamplingInputs.host(r, self.widths)
+        fields = [Field(n, (t,), np.int32) for n in ("tokens", "positions", "src_row", "token_slot", "prompt_len")]
+        fields.append(Field("logits_index", (r,), np.int32))
+        for f in dataclasses.fields(SamplingInputs):
+            a = getattr(sampling, f.name)
+            fields.append(Field("s_" + f.name, a.shape, a.dtype))
+        return BufferSpec(tuple(fields))
+
+    def device_spec(self) -> BufferSpec:
+        t, g = self.tokens, self.segments
+        return BufferSpec((
+            Field("token_request", (t,), np.int32), Field("write_offset", (t,), np.int32),
+            Field("write_page", (g, t), np.int32), Field("kv_lens", (g, t), np.int32),
+            Field("page_table", (g, self.requests, self.pages), np.int32),
+        ))
+
+
+def unpack_step(shape: StepShape, rep: jax.Array, dev: jax.Array, prev_tokens: jax.Array):
+    """Inside the step program (per device): -> (StepInput, SamplingInputs, token_slot, prompt_len)."""
+    r = shape.replicated_spec().unpack(rep)
+    d = shape.device_spec().unpack(dev)
+    src = r["src_row"]
+    tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], r["tokens"])
+    batch = StepInput(
+        tokens, r["positions"], d["token_request"], d["write_page"], d["write_offset"], d["kv_lens"],
+        d["page_table"], r["logits_index"],
+    )
+    sampling = SamplingInputs(**{f.name: r["s_" + f.name] for f in dataclasses.fields(SamplingInputs)})
+    return batch, sampling, r["token_slot"], r["prompt_len"]
+
+
+def host_step_input(shape: StepShape, packed: "PackedStep") -> StepInput:
+    """The packed buffers as a numpy StepInput with [N, ...] per-device fields (tests, benchmarks;
+    tokens fed from the device are not resolved here)."""
+    r = shape.replicated_spec().unpack(packed.rep)
+    per = [shape.device_spec().unpack(row) for row in packed.dev]
+    d = {k: np.stack([p[k] for p in per]) for k in per[0]}
+    return StepInput(r["tokens"], r["positions"], d["token_request"], d["write_page"], d["write_offset"],
+                     d["kv_lens"], d["page_table"], r["logits_index"])
+
+
+class SlotSampling:
+    """Per-slot sampling rows, written once when a request takes a slot and gathered every step."""
+
+    def __init__(self, num_slots: int, widths: SamplerWidths, eos_ids: Sequence[int]):
+        self.table = SamplingInputs.host(num_slots, widths)
+        self.min_tokens = np.zeros(num_slots, np.int64)
+        self.eos_ids = tuple(eos_ids)
+
+    def assign(self, slot: int, params, seed: int) -> None:
+        self.table.set_row(slot, params, seed, 0, slot, self.eos_ids)
+        self.min_tokens[slot] = params.min_tokens
+
+    def rows(self, out: SamplingInputs, rows: np.ndarray, slots: np.ndarray, generated: np.ndarray) -> None:
+        for f in dataclasses.fields(SamplingInputs):
+            getattr(out, f.name)[rows] = getattr(self.table, f.name)[slots]
+        out.step[rows] = generated
+        done = generated >= self.min_tokens[slots]
+        out.suppress_ids[rows[done]] = -1
+
+
+@dataclasses.dataclass
+class PackedStep:
+    rep: np.ndarray  # [X] int32
+    dev: np.ndarray  # [N, Y] int32
+    rows: list[int]  # output row of each sampling chunk, in chunk order
+
+
+def pack_step(
+    shape: StepShape, chunks: Sequence, tables: PageTables, slot_sampling: SlotSampling, page_size: int,
+    all_logits: bool = False,
+) -> PackedStep:
+    """Pack scheduled chunks (scheduler.ScheduledChunk) into one step's buffers.
+
+    all_logits: every token slot gets a logits row (the reference runner's prefill checks).
+    """
+    n, tq, rq, g = shape.devices, shape.tokens, shape.requests, shape.segments
+    num = len(chunks)
+    lengths = np.fromiter((c.num_tokens for c in chunks), np.int64, num)
+    starts = np.fromiter((c.start for c in chunks), np.int64, num)
+    owners = np.fromiter((c.request.owner for c in chunks), np.int64, num)
+    slots = np.fromiter((c.request.slot for c in chunks), np.int64, num)
+
+    # Slots in the step: device-major segments for owner rows, one sequence otherwise.
+    if shape.owner_rows:
+        order = np.argsort(owners, kind="stable")
+        lrow = np.zeros(num, np.int64)
+        lslot = np.zeros(num, np.int64)
+        for d in range(n):
+            mine = order[owners[order] == d]
+            lrow[mine] = np.arange(len(mine))
+            lslot[mine] = np.concatenate([[0], np.cumsum(lengths[mine])[:-1]]) if len(mine) else []
+        if num and ((lrow.max() >= rq) or np.max(lslot + lengths) > tq):
+            raise ValueError(f"a device overflows its bucket ({tq} tokens, {rq} requests)")
+        row, base = np.arange(num), owners * tq + lslot
+    else:
+        if lengths.sum() > tq or num > rq:
+            raise ValueError(f"step overflows its bucket ({tq} tokens, {rq} requests)")
+        lrow = row = np.arange(num)
+        lslot = base = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if num else np.zeros(0, np.int64)
+
+    chunk_of = np.repeat(np.arange(num), lengths)
+    offset = np.arange(int(lengths.sum())) - np.repeat(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) if num else np.zeros(0, np.int64)
+    pos = starts[chunk_of] + offset
+    gslot = base[chunk_of] + offset  # slot in the step's token arrays
+    t_total, rows_total = shape.total_tokens, shape.rows
+
+    tokens = np.zeros(t_total, np.int32)
+    src_row = np.full(t_total, -1, np.int32)
+    if num:
+        values, sources = [], []
+        for c in chunks:
+            req = c.request
+            known = min(c.end, req.num_known)
+            vals = req.token_slice(c.start, known)
+            pad = c.end - max(known, c.start)  # positions whose token is still on the device
+            values.append(vals + [0] * pad)
+            sources.append([-1] * len(vals) + [req.pending_row] * pad)
+        tokens[gslot] = np.concatenate(values)
+        src_row[gslot] = np.concatenate(sources)
+    positions = np.zeros(t_total, np.int32)
+    positions[gslot] = pos
+    token_slot = np.full(t_total, -1, np.int32)
+    token_slot[gslot] = slots[chunk_of]
+    prompt_len = np.zeros(t_total, np.int32)
+    prompt_len[gslot] = np.fromiter((len(c.request.prompt_ids) for c in chunks), np.int64, num)[chunk_of]
+    logits_index = np.zeros(rows_total, np.int32)
+    if all_logits:
+        logits_index[: len(gslot)] = gslot
+    else:
+        logits_index[row] = base + lengths - 1
+
+    sampling = SamplingInputs.host(rows_total, shape.widths)
+    samples = np.fromiter((c.samples for c in chunks), bool, num)
+    generated = np.fromiter((c.request.num_generated - c.samples for c in chunks), np.int64, num)
+    if num:
+        slot_sampling.rows(sampling, row, slots, generated)
+
+    # Per-device fields from the persistent page tables.
+    if shape.owner_rows:
+        dev_of, tok = owners[chunk_of], np.arange(len(chunk_of))  # each token on its owner only
+    else:
+        dev_of = np.repeat(np.arange(n), len(chunk_of))
+        tok = np.tile(np.arange(len(chunk_of)), n)
+    c_of = chunk_of[tok]
+    s_of, p_of, ls_of = slots[c_of], pos[tok], lslot[c_of] + offset[tok]
+    j = p_of // page_size
+    token_request = np.zeros((n, tq), np.int32)
+    write_offset = np.zeros((n, tq), np.int32)
+    write_page = np.full((n, g, tq), np.iinfo(np.int32).max, np.int32)  # beyond the pool: dropped
+    kv_lens = np.zeros((n, g, tq), np.int32)
+    page_table = np.zeros((n, g, rq, shape.pages), np.int32)
+    token_request[dev_of, ls_of] = lrow[c_of]
+    write_offset[dev_of, ls_of] = p_of % page_size
+    m = min(shape.pages, tables.m)
+    for seg in range(g):
+        local = tables.local_of[dev_of, seg, s_of, j]
+        held = local >= 0
+        write_page[dev_of, seg, ls_of] = np.where(held, local, np.iinfo(np.int32).max)
+        kv_lens[dev_of, seg, ls_of] = tables.before[dev_of, seg, s_of, j] * page_size + np.where(held, p_of % page_size + 1, 0)
+        if shape.owner_rows:
+            page_table[owners, seg, lrow, :m] = tables.compact[owners, seg, slots, :m]
+        else:
+            for d in range(n):
+                page_table[d, seg, lrow, :m] = tables.compact[d, seg, slots, :m]
+
+    rep = shape.replicated_spec().pack({
+        "tokens": tokens, "positions": positions, "src_row": src_row, "token_slot": token_slot,
+        "prompt_len": prompt_len, "logits_index": logits_index,
+        **{"s_" + f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingInputs)},
+    })
+    dev = shape.device_spec().pack(
+        {"token_request": token_request, "write_offset": write_offset, "write_page": write_page,
+         "kv_lens": kv_lens, "page_table": page_table},
+        lead=(n,),
+    )
+    return PackedStep(rep, dev, row[samples].tolist())
