@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from serve.config import ServerLimits
 from serve.errors import APIError, error_body, to_api_error
 from serve.metrics import ServerMetrics
-from serve.outputs import ChoiceAccumulator, ChoiceState, TokenText, stop_token_text
+from serve.outputs import ChoiceAccumulator, ChoiceState, TokenText
 from serve.protocol import UsageInfo
 from splash_jax.engine.async_engine import AsyncEngine
 from splash_jax.engine.request import Request, RequestOutput, SamplingLimits
@@ -32,28 +32,15 @@ class EngineFacts:
     vocab_size: int
     max_model_len: int
     sampling_limits: SamplingLimits
-    eos_ids: frozenset[int]
-    supports_penalties: bool  # presence/frequency/repetition, min_p, min_tokens, logit_bias
-    decodes_stop_tokens: bool  # the engine's text still holds a stop token's text (server removes it)
 
     @classmethod
     def of(cls, engine: AsyncEngine) -> "EngineFacts":
         inner = engine.engine
-        config = getattr(inner, "config", None)
         model_config = getattr(inner, "model_config", None)
         tokenizer = engine.tokenizer
         vocab = getattr(model_config, "vocab_size", None) or (tokenizer.vocab_size if tokenizer else 2**31 - 1)
-        defaults = SamplingLimits()
-        limits = SamplingLimits(
-            getattr(config, "max_stop_token_ids", defaults.max_stop_token_ids),
-            getattr(config, "max_logit_bias", defaults.max_logit_bias),
-        )
-        return cls(
-            vocab_size=int(vocab), max_model_len=engine.max_model_len, sampling_limits=limits,
-            eos_ids=frozenset(getattr(inner, "eos_ids", ())),
-            supports_penalties=bool(getattr(inner, "supports_penalties", False)),
-            decodes_stop_tokens=not getattr(inner, "excludes_stop_token_text", False),
-        )
+        limits = getattr(inner, "limits", None) or SamplingLimits()
+        return cls(vocab_size=int(vocab), max_model_len=engine.max_model_len, sampling_limits=limits)
 
 
 @dataclasses.dataclass
@@ -79,10 +66,6 @@ class ServerContext:
     def sampling_limits(self) -> SamplingLimits:
         return self.facts.sampling_limits
 
-    @property
-    def supports_penalties(self) -> bool:
-        return self.facts.supports_penalties
-
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
         """Run tokenizer-bound work on the tokenizer threads, never on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
@@ -98,12 +81,9 @@ class ServerContext:
             )
         return name
 
-    def choice_states(self, requests: Sequence[Request]) -> dict[str, ChoiceState]:
-        tokenizer = self.engine.tokenizer if self.facts.decodes_stop_tokens else None
-        return {
-            r.request_id: ChoiceState(i, stop_token_text=stop_token_text(tokenizer, r.params, self.facts.eos_ids))
-            for i, r in enumerate(requests)
-        }
+    @staticmethod
+    def choice_states(requests: Sequence[Request]) -> dict[str, ChoiceState]:
+        return {r.request_id: ChoiceState(i) for i, r in enumerate(requests)}
 
     async def outputs(self, requests: Sequence[Request]) -> AsyncIterator[RequestOutput]:
         """The requests' outputs as they come, counted in the metrics; closing it aborts them."""

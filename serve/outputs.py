@@ -1,17 +1,17 @@
 """Engine output deltas -> what one OpenAI choice shows: text, token ids, logprobs.
 
-The engine sends deltas only, already with any possible stop-string tail held back and a
-matched stop string removed, so a stream forwards them as they come and a non-streamed
-response is the concatenation (`ChoiceAccumulator`): both show the same text.
+The engine sends deltas only, already with any possible stop-string tail held back, a matched
+stop string removed and a stop token's text never decoded, so a stream forwards them as they
+come and a non-streamed response is the concatenation (`ChoiceAccumulator`): both show the
+same text.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
 
 from serve.protocol import ChatLogprobs, ChatLogprobToken, CompletionLogprobs, TopLogprob
-from splash_jax.engine.request import RequestOutput, SamplingParams
+from splash_jax.engine.request import RequestOutput
 from splash_jax.tokenizer import Tokenizer
 
 
@@ -58,54 +58,18 @@ class ChoiceDelta:
     finish_reason: str | None
 
 
-def _delta_logprobs(out: RequestOutput) -> tuple[list[float] | None, list[dict[int, float]] | None]:
-    if hasattr(out, "delta_logprobs"):
-        return out.delta_logprobs, out.delta_top_logprobs
-    # TODO(issue 12): engines before delta logprobs send them cumulative; drop this fallback.
-    if out.logprobs is None:
-        return None, None
-    k = len(out.delta_token_ids)
-    return out.logprobs[len(out.logprobs) - k :], (out.top_logprobs or [])[len(out.top_logprobs or []) - k :]
-
-
-StopTokenText = Callable[[RequestOutput], str]
-
-
-def stop_token_text(tokenizer: Tokenizer | None, params: SamplingParams, eos_ids: Collection[int]) -> StopTokenText | None:
-    """The text a stop token (stop_token_ids, or EOS unless ignore_eos) added to a finished
-    output, which vLLM never shows. TODO(issue 12): only needed while the engine still decodes
-    the stop token; once it stops pushing that token into its decoder, drop this."""
-    if tokenizer is None:
-        return None
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-
-    def text(out: RequestOutput) -> str:
-        if out.finish_reason != "stop" or not out.delta_token_ids or isinstance(getattr(out, "stop_reason", None), str):
-            return ""
-        token = out.delta_token_ids[-1]
-        return tokenizer.decode([token]) if token in stop_ids else ""
-
-    return text
-
-
 @dataclasses.dataclass
 class ChoiceState:
     """One choice of a response: its index, and where its completion logprobs' offsets are."""
 
     index: int
     text_offset: int = 0  # completion logprobs: where the next token starts in the choice text
-    stop_token_text: StopTokenText | None = None  # see stop_token_text()
 
-    def advance(self, out: RequestOutput) -> ChoiceDelta:
-        text = out.delta_text
-        if out.finished and self.stop_token_text is not None:
-            tail = self.stop_token_text(out)
-            if tail and text.endswith(tail):
-                text = text[: len(text) - len(tail)]
-        logprobs, top = _delta_logprobs(out)
+    @staticmethod
+    def advance(out: RequestOutput) -> ChoiceDelta:
         return ChoiceDelta(
-            text=text, token_ids=list(out.delta_token_ids), logprobs=logprobs, top_logprobs=top,
-            finish_reason=out.finish_reason if out.finished else None,
+            text=out.delta_text, token_ids=list(out.delta_token_ids), logprobs=out.delta_logprobs,
+            top_logprobs=out.delta_top_logprobs, finish_reason=out.finish_reason if out.finished else None,
         )
 
 

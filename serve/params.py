@@ -19,7 +19,6 @@ from splash_jax.engine.request import MAX_LOGPROBS, Request, RequestError, Sampl
 from splash_jax.engine.stop import compile_stops
 
 _INT_KEY = re.compile(r"-?\d{1,10}")
-PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +70,6 @@ def check_common(ctx, body: SamplingFields, num_prompts: int) -> None:
                    "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options is only allowed when stream is true", "stream_options")
-    if not ctx.supports_penalties:
-        for name in PENALTY_FIELDS:
-            value = getattr(body, name, None)
-            if value not in (None, 0, 0.0, {}) and not (name == "repetition_penalty" and value == 1):
-                raise _bad(f"{name} is not enabled in this engine build (leave it unset)", name)
 
 
 def _prompt_forms(prompt) -> list[str | list[int]]:

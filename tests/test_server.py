@@ -416,6 +416,20 @@ def test_stop_token_ids_end_the_output_without_their_text(client):
     assert "".join(c.choices[0].text for c in chunks) == head.text
 
 
+def test_logit_bias_and_min_tokens_reach_the_sampler(client):
+    base = _greedy(client, PROMPT, max_tokens=8).choices[0].token_ids
+    forced = next(t for t in range(200, 300) if t not in base)
+    biased = _greedy(client, PROMPT, max_tokens=6, logit_bias={str(forced): 100}).choices[0]
+    assert biased.token_ids == [forced] * 6
+    stopped = _greedy(client, PROMPT, max_tokens=8, extra_body={"stop_token_ids": [base[0]]}).choices[0]
+    assert stopped.token_ids == base[:1] and stopped.finish_reason == "stop" and stopped.text == ""
+    held = _greedy(client, PROMPT, max_tokens=8, extra_body={"stop_token_ids": [base[0]], "min_tokens": 3}).choices[0]
+    assert len(held.token_ids) >= 3 and base[0] not in held.token_ids[:3]
+    neutral = _greedy(client, PROMPT, max_tokens=8, presence_penalty=0, frequency_penalty=0,
+                      extra_body={"repetition_penalty": 1.0, "min_p": 0.0}).choices[0]
+    assert neutral.token_ids == base
+
+
 # --- disconnects, metrics, layout ----------------------------------------------------------
 def test_client_disconnect_aborts_and_frees_pages(server):
     aborted = server.metric('splash_requests_total{finish_reason="abort"}', default=0.0)
