@@ -167,6 +167,7 @@ class TrainConfig:
     warmup: int
     aux_weight: float
     eval_batches: int
+    eval_every: int  # held-out loss every this many steps; the best parameters are kept (early stopping)
 
 
 def train(model: DeepseekForCausalLM, train_ids, held_ids, tc: TrainConfig, seed: int) -> dict:
@@ -191,19 +192,29 @@ def train(model: DeepseekForCausalLM, train_ids, held_ids, tc: TrainConfig, seed
     rng = np.random.default_rng(seed)
     data, held = batches(train_ids, tc.batch, tc.seq, rng), batches(held_ids, tc.batch, tc.seq, np.random.default_rng(1))
     held_batches = [next(held) for _ in range(tc.eval_batches)]
-    t0, done, losses = time.perf_counter(), 0, []
+
+    def held_out(params) -> float:
+        return float(np.mean([eval_nll(params, b) for b in held_batches]))
+
+    t0, done = time.perf_counter(), 0
+    best = (math.inf, 0, params, math.nan)  # held-out loss, step, parameters, training loss
     while done < tc.steps and (time.perf_counter() - t0) < tc.minutes * 60:
         params, opt_state, nll = step(params, opt_state, next(data))
         done += 1
         if done % 10 == 0:  # steps dispatch asynchronously: keep the time budget honest
             nll.block_until_ready()
-        if done % 100 == 0 or done == 1:
-            losses.append(float(nll))
-            log.info("step %d loss %.3f (%.0fs)", done, losses[-1], time.perf_counter() - t0)
-    held_nll = float(np.mean([eval_nll(params, b) for b in held_batches]))
+        if done % tc.eval_every == 0:
+            h = held_out(params)
+            log.info("step %d loss %.3f held-out %.3f (%.0fs)", done, float(nll), h, time.perf_counter() - t0)
+            if h < best[0]:
+                best = (h, done, params, float(nll))
+    h = held_out(params)
+    if h < best[0]:
+        best = (h, done, params, float(nll))
+    held_nll, best_step, params, train_nll = best
     nnx.update(model, params)
-    return {"steps": done, "seconds": time.perf_counter() - t0, "final_train_loss": float(nll),
-            "held_out_loss": held_nll, "held_out_perplexity": math.exp(held_nll),
+    return {"steps": done, "kept_step": best_step, "seconds": time.perf_counter() - t0,
+            "final_train_loss": train_nll, "held_out_loss": held_nll, "held_out_perplexity": math.exp(held_nll),
             "tokens_seen": done * tc.batch * tc.seq}
 
 
@@ -227,8 +238,9 @@ with splash-jax's own model code, so `python -m serve.main` completes Python cod
   and distributed under the same terms.
 - Training: {stats['steps']} steps of batch {tc.batch} x {tc.seq} tokens ({stats['tokens_seen']:,} tokens,
   {stats['seconds'] / 60:.1f} min on {data['device']}), AdamW (peak lr {tc.lr}, warm-up {tc.warmup}, cosine),
-  auxiliary balance loss {tc.aux_weight}.
-- Results: final training loss {stats['final_train_loss']:.3f}; held-out loss {stats['held_out_loss']:.3f},
+  auxiliary balance loss {tc.aux_weight}; the parameters of step {stats['kept_step']} are kept (lowest
+  held-out loss, checked every {tc.eval_every} steps).
+- Results: training loss {stats['final_train_loss']:.3f} at that step; held-out loss {stats['held_out_loss']:.3f},
   perplexity {stats['held_out_perplexity']:.1f} per token (vocabulary {cfg.vocab_size}).
 - Limits: a few minutes of training on one library's code: it continues Python plausibly, it does
   not follow instructions or know facts.
@@ -247,6 +259,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--aux-weight", type=float, default=0.01)
     parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--files", type=int, default=None, help="use only the first N files (smoke tests)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -263,7 +276,8 @@ def main(argv=None):
 
     cfg = dataclasses.replace(architecture(tok.get_vocab_size()), max_position_embeddings=max(4096, args.seq))
     model = DeepseekForCausalLM(cfg, RuntimeOptions(dtype="float32"), nnx.Rngs(args.seed))
-    tc = TrainConfig(args.steps, args.minutes, args.batch, args.seq, args.lr, args.warmup, args.aux_weight, args.eval_batches)
+    tc = TrainConfig(args.steps, args.minutes, args.batch, args.seq, args.lr, args.warmup, args.aux_weight,
+                     args.eval_batches, args.eval_every)
     stats = train(model, train_ids, held_ids, tc, args.seed)
     log.info("trained: %s", stats)
 
