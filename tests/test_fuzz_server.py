@@ -64,7 +64,6 @@ FIELDS = {
     "ignore_eos": either(st.booleans(), st.sampled_from(["maybe", 3])),
     "stream": either(st.booleans(), st.sampled_from(["yes", 2])),
     "stream_options": either(st.sampled_from([None, {"include_usage": True}]), st.sampled_from([{"include_usage": "x"}, 3])),
-    # Penalties: non-default values are 400s until the engine build supports them.
     "presence_penalty": either(st.sampled_from([0, 0, 0, 0.5, -2]), st.sampled_from([5, "p"])),
     "frequency_penalty": either(st.sampled_from([0, 0, 0, 1.0]), st.just(-3)),
     "repetition_penalty": either(st.sampled_from([1, 1, 1, 1.2]), st.sampled_from([0, -1])),
