@@ -488,7 +488,7 @@ def test_200_concurrent_streaming_clients(server):
         await aclient.close()
         return results, elapsed
 
-    before = server.metric('splash_requests_total{finish_reason="length"}')
+    before = server.metric('splash_requests_total{finish_reason="length"}', default=0.0)
     results, elapsed = asyncio.run(main())
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors[:3]
