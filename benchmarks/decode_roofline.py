@@ -4,10 +4,13 @@
 
 For each (batch, context): `batch` requests whose first `context` tokens are already "in the
 cache" (pages allocated, contents random: the work per step is identical) decode through the
-real engine loop (schedule, pack, dispatch, read back, stop checks). Reported per step:
+real engine loop (schedule, pack, dispatch, read back, stop checks), with overlapped scheduling
+and without it, in the same run. Reported per step and mode:
   engine_ms   wall time of engine.step() (host + device, as served)
-  device_ms   the same packed step dispatched back-to-back with no host work in between
-  host_share  1 - device_ms / engine_ms: the share of a step the device waits on the host
+  gpu_busy_ms union of kernel intervals on the GPU streams, from a jax.profiler trace
+  x_busy      engine_ms / gpu_busy_ms: 1.0 = the GPU never waits (launch gaps count as waiting)
+  host_share  1 - gpu_busy_ms / engine_ms (not clamped: a negative value means the trace and
+              the wall clock disagree, and is shown as it is)
   roofline_ms bytes that must be read (weights actually used + KV) / measured copy bandwidth
 Weights "used" counts only experts a batch of this size is expected to touch (an ideal
 engine); `dense_ms` is the roofline for this engine's dense-over-experts MoE, which reads all.
@@ -26,6 +29,7 @@ from flax import nnx
 
 from benchmarks.common import table, write_results
 from benchmarks.harness import clear, inject_decoding
+from benchmarks.profiling import device_busy
 from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, EngineConfig
 
@@ -73,6 +77,8 @@ def main(argv=None):
     parser.add_argument("--kv-memory-gb", type=float, default=24.0)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--min-token-bucket", type=int, default=1, help="1: batch-1 decode runs a 1-token step")
+    parser.add_argument("--layout", default="tp")
+    parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -87,6 +93,7 @@ def main(argv=None):
         model=str(folder), load_format="dummy", dtype=args.dtype, attention_impl=args.attention_impl,
         page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=max(contexts) + 128,
         max_num_seqs=max(batches), max_num_batched_tokens=max(max(batches), 8), warmup=False,
+        layout=args.layout, num_devices=args.devices,
         min_token_bucket=args.min_token_bucket,
     ))
     cfg = engine.model_config
@@ -97,39 +104,39 @@ def main(argv=None):
             t = time.perf_counter()
             engine.step()  # compiles this bucket the first time
             log.info("batch %d ctx %d: first step %.1fs", b, ctx, time.perf_counter() - t)
-            for _ in range(2):
-                engine.step()
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                engine.step()
-            engine_s = (time.perf_counter() - t) / args.steps
-            chunks = engine.scheduler.schedule()
-            batch_in, sampling, bucket = engine._pack(chunks)
-            out = engine.executor.run(bucket, batch_in, sampling)
-            jax.block_until_ready(out)
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                out = engine.executor.run(bucket, batch_in, sampling)
-            jax.block_until_ready((out, engine.executor.kv))
-            device_s = (time.perf_counter() - t) / args.steps
+            for overlap in (True, False):
+                engine.set_overlap(overlap)
+                for _ in range(3):
+                    engine.step()
+                t = time.perf_counter()
+                for _ in range(args.steps):
+                    engine.step()
+                engine_s = (time.perf_counter() - t) / args.steps
+                prof = device_busy(engine.step, args.steps, sync=lambda: (engine.flush(), jax.block_until_ready(engine.executor.kv)))
+                ideal_w, dense_w = weight_bytes(engine.model, b)
+                kv_bytes = b * (ctx + args.steps) * cfg.latent_dim * 2 * cfg.num_layers
+                busy = prof.busy_ms
+                row = {
+                    "batch": b, "context": ctx, "overlap": overlap,
+                    "engine_ms": engine_s * 1e3, "gpu_busy_ms": busy, "profiled_step_ms": prof.window_ms,
+                    "x_busy": engine_s * 1e3 / busy if busy else None,
+                    "host_share": 1 - busy / (engine_s * 1e3) if busy else None,
+                    "kernels_per_step": prof.kernels, "tokens_per_s": b / engine_s,
+                    "roofline_ms": (ideal_w + kv_bytes) / bw * 1e3,
+                    "dense_ms": (dense_w + kv_bytes) / bw * 1e3,
+                    "top_kernels_us": prof.top,
+                }
+                row["x_roofline"] = row["engine_ms"] / row["roofline_ms"]
+                row["hlo_conditionals"] = sum(
+                    text.count(" conditional(") for text in (p.as_text() for p in engine.executor._compiled.values())
+                )
+                rows.append(row)
+                log.info("%s", {k: v for k, v in row.items() if k != "top_kernels_us"})
+            engine.set_overlap(True)
             clear(engine, reqs)
-            hlo = engine.executor._compiled[(engine.layout.name, bucket)].as_text()
-            pool_shape = ",".join(map(str, engine.executor.kv.latent[0].shape))
-            pool_copies = sum(1 for line in hlo.splitlines() if f"[{pool_shape}]" in line and (" copy(" in line or "copy-start(" in line))
-            ideal_w, dense_w = weight_bytes(engine.model, b)
-            kv_bytes = b * (ctx + args.steps) * cfg.latent_dim * 2 * cfg.num_layers
-            row = {
-                "batch": b, "context": ctx, "bucket": bucket.tokens,
-                "engine_ms": engine_s * 1e3, "device_ms": device_s * 1e3, "pool_copies_in_hlo": pool_copies,
-                "host_share": max(0.0, 1 - device_s / engine_s),
-                "tokens_per_s": b / engine_s,
-                "roofline_ms": (ideal_w + kv_bytes) / bw * 1e3,
-                "dense_ms": (dense_w + kv_bytes) / bw * 1e3,
-            }
-            row["x_roofline"] = row["engine_ms"] / row["roofline_ms"]
-            rows.append(row)
-            log.info("%s", row)
-    cols = ["batch", "context", "pool_copies_in_hlo", "engine_ms", "device_ms", "host_share", "tokens_per_s", "roofline_ms", "dense_ms", "x_roofline"]
+            engine.flush()
+    cols = ["batch", "context", "overlap", "engine_ms", "gpu_busy_ms", "x_busy", "host_share", "kernels_per_step",
+            "tokens_per_s", "roofline_ms", "x_roofline"]
     print(table(rows, cols))
     write_results("decode_roofline", {
         "args": vars(args), "copy_bandwidth_GBps": bw / 1e9, "attention_impl": args.attention_impl,

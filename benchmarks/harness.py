@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from splash_jax.engine import Engine, SamplingParams
-from splash_jax.engine.request import Request, Status
+from splash_jax.engine.request import Request
 
 
 def inject_decoding(engine: Engine, batch: int, context: int, tag: str = "bench") -> list[Request]:
@@ -15,23 +15,14 @@ def inject_decoding(engine: Engine, batch: int, context: int, tag: str = "bench"
     holds: the work of a decode step is the same as after a real prefill, without its cost.
     """
     rng = np.random.default_rng(0)
-    sched = engine.scheduler
     reqs = []
     for i in range(batch):
         prompt = rng.integers(0, engine.model_config.vocab_size, context + 1).tolist()
         r = engine.make_request(prompt, SamplingParams(max_tokens=1_000_000, ignore_eos=True), f"{tag}-{batch}-{context}-{i}")
         engine.add_request(r)
-        sched.waiting.remove(r)
-        r.device_pages = [[] for _ in range(sched.n)]
-        r.owner = sched.least_loaded_device()
-        if not sched.allocate(r, context + 64):
-            sched.running.append(r)
+        if not engine.scheduler.admit_cached(r, context, reserve=64):
             clear(engine, reqs + [r])
             raise MemoryError(f"{batch} x {context} tokens do not fit the {engine.layout.name} pool")
-        r.num_computed = context
-        r.status = Status.RUNNING
-        r.order = i
-        sched.running.append(r)
         reqs.append(r)
     return reqs
 

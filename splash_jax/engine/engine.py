@@ -30,7 +30,7 @@ from splash_jax.engine.config import EngineConfig
 from splash_jax.engine.executor import StepExecutor, StepResult
 from splash_jax.engine.output_processor import OutputProcessor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
-from splash_jax.engine.sampler import SamplerWidths
+from splash_jax.engine.sampler import SamplerWidths, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
@@ -246,6 +246,17 @@ class Engine:
             self.switcher.after_step()
         return outputs + self._failed_now()
 
+    def flush(self) -> list[RequestOutput]:
+        """Read back the step in flight (if any) and return its outputs; nothing new is dispatched."""
+        done, self._inflight = self._inflight, None
+        return (self._complete(done) if done is not None else []) + self._failed_now()
+
+    def set_overlap(self, enabled: bool) -> list[RequestOutput]:
+        """Switch overlapped scheduling on or off between steps (returns the flushed outputs)."""
+        outputs = self.flush()
+        self.config.overlap_scheduling = enabled
+        return outputs
+
     def _failed_now(self) -> list[RequestOutput]:
         failed, self._failed = self._failed, []
         return failed
@@ -279,7 +290,8 @@ class Engine:
             bucket, packed = self._pack(chunks)
         move = self.switcher.step_moves() if self.switcher is not None else None
         try:
-            result = self.executor.run(bucket, packed.rep, packed.dev, move)
+            full = any(needs_full(c.request.params) for c in chunks)
+            result = self.executor.run(bucket, packed.rep, packed.dev, move, full)
         except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
             self._recover(e, chunks)
             return None

@@ -137,7 +137,7 @@ class StepExecutor:
         vocab = model.cfg.vocab_size
         self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
         self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
-        self._compiled: dict[tuple[str, Bucket, bool], object] = {}
+        self._compiled: dict[tuple[str, Bucket, bool, bool], object] = {}
         self.num_compiled = 0
         self.compile_seconds = 0.0
 
@@ -180,7 +180,7 @@ class StepExecutor:
         )
 
     # --- programs -------------------------------------------------------------------------------
-    def _program(self, layout: Layout, bucket: Bucket, moving: bool):
+    def _program(self, layout: Layout, bucket: Bucket, moving: bool, full: bool):
         shape = self.shape(layout, bucket)
         ctx = ShardedContext(layout, self.n, self.impl)
         graphdef, treedef, max_rows = self.graphdef, self.treedef, self.max_rows
@@ -194,8 +194,9 @@ class StepExecutor:
             logits, kv = model(kv, batch, ctx=ctx)
             if moving:
                 kv = move_pages_finish(kv, outgoing, move[0][0])
-            penalties = update_history(penalties, batch.tokens, batch.positions, token_slot, prompt_len)
-            out = sample(logits, sampling, penalties)
+            if full:  # the host picks `full` whenever a request of the step needs penalties
+                penalties = update_history(penalties, batch.tokens, batch.positions, token_slot, prompt_len)
+            out = sample(logits, sampling, penalties, full=full)
             tokens = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
             return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties
 
@@ -209,8 +210,8 @@ class StepExecutor:
         )
         return jax.jit(mapped, donate_argnums=(1, 2)), shape
 
-    def lower(self, layout: Layout, bucket: Bucket, moving: bool = False):
-        fn, shape = self._program(layout, bucket, moving)
+    def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False):
+        fn, shape = self._program(layout, bucket, moving, full)
         rep = jax.ShapeDtypeStruct((shape.replicated_spec().size,), jnp.int32, sharding=self.replicated)
         dev = jax.ShapeDtypeStruct((self.n, shape.device_spec().size), jnp.int32, sharding=self.per_device)
         prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
@@ -228,11 +229,12 @@ class StepExecutor:
         return bucket_ladder(max_tokens, max_requests, min_tokens)
 
     def compile_all(self, layouts: list[Layout] | None = None, moving: bool = False, show_progress: bool = True) -> float:
-        """Compile every (layout, bucket) program (and its `moving` variant), in parallel threads."""
+        """Compile every (layout, bucket) program with both samplers (greedy, full) and, when
+        switching, the `moving` variants, in parallel threads."""
         layouts = layouts or [self.layout]
         variants = (False, True) if moving and self.move_pages else (False,)
-        todo = [(lay, b, m) for lay in layouts for b in self.buckets(lay) for m in variants
-                if (lay.name, b, m) not in self._compiled]
+        todo = [(lay, b, m, f) for lay in layouts for b in self.buckets(lay) for m in variants for f in (False, True)
+                if (lay.name, b, m, f) not in self._compiled]
         t0 = time.perf_counter()
         workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool, tqdm(
@@ -241,8 +243,8 @@ class StepExecutor:
             lowered = [(key, self.lower(*key)) for key in todo]  # tracing holds the GIL: do it here
             futures = {pool.submit(low.compile): key for key, low in lowered}
             for future in concurrent.futures.as_completed(futures):
-                lay, b, m = futures[future]
-                self._compiled[(lay.name, b, m)] = future.result()
+                lay, b, m, f = futures[future]
+                self._compiled[(lay.name, b, m, f)] = future.result()
                 bar.update()
         elapsed = time.perf_counter() - t0
         self.num_compiled += len(todo)
@@ -250,11 +252,11 @@ class StepExecutor:
         log.info("compiled %d step programs (%s) in %.1fs with %d threads", len(todo), ",".join(l.name for l in layouts), elapsed, workers)
         return elapsed
 
-    def compiled(self, layout: Layout, bucket: Bucket, moving: bool = False):
-        key = (layout.name, bucket, moving)
+    def compiled(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False):
+        key = (layout.name, bucket, moving, full)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up; compiles once per bucket
-            program = self._compiled[key] = self.lower(layout, bucket, moving).compile()
+            program = self._compiled[key] = self.lower(layout, bucket, moving, full).compile()
             self.num_compiled += 1
         return program
 
@@ -265,9 +267,10 @@ class StepExecutor:
         raise ValueError(f"no bucket holds {num_tokens} tokens / {num_requests} requests per device")
 
     # --- running --------------------------------------------------------------------------
-    def run(self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None) -> StepResult:
-        """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced."""
-        program = self.compiled(self.layout, bucket, move is not None)
+    def run(self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False) -> StepResult:
+        """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced.
+        full: the sampler with random draws, top-n logprobs and penalties (sampler.needs_full)."""
+        program = self.compiled(self.layout, bucket, move is not None, full)
         inputs = [jax.device_put(rep, self.replicated), jax.device_put(dev, self.per_device)]
         if move is not None:
             inputs.append(jax.device_put(move, self.per_device))

@@ -7,7 +7,8 @@ the model updates its slot before sampling (`update_history`). A decode step fee
 sampled last, so at sampling time the counts hold exactly the outputs so far; a request that
 recomputes after preemption re-feeds prompt + outputs from position 0, which rebuilds its row.
 
-Processors, in vLLM v1's order (all exact; each skipped by `lax.cond` when no row uses it):
+Processors, in vLLM v1's order (all exact; penalties only in the `full` sampler program, which
+the host picks when some row of the step needs it):
   suppress (min_tokens: EOS and stop_token_ids -> -inf) -> logit_bias (added) ->
   repetition (prompt + output tokens: positive logits / p, negative x p) ->
   frequency (- f x count in the output) -> presence (- p if in the output).
@@ -50,10 +51,8 @@ def update_history(
     slot = jnp.where(valid, token_slot, num_slots)  # out of range: dropped by the scatters
     starts = jnp.zeros(num_slots, jnp.bool_).at[jnp.where(positions == 0, slot, num_slots)].set(True, mode="drop")
 
-    def clear(s: PenaltyState) -> PenaltyState:
-        return PenaltyState(s.prompt_mask & ~starts[:, None], jnp.where(starts[:, None], 0, s.output_counts))
-
-    state = jax.lax.cond(jnp.any(starts), clear, lambda s: s, state)
+    # No lax.cond: on GPUs a conditional makes the host wait for its predicate mid-step.
+    state = PenaltyState(state.prompt_mask & ~starts[:, None], jnp.where(starts[:, None], 0, state.output_counts))
     in_prompt = positions < prompt_len
     prompt_mask = state.prompt_mask.at[jnp.where(in_prompt, slot, num_slots), tokens].set(True, mode="drop")
     counts = state.output_counts.at[jnp.where(in_prompt, num_slots, slot), tokens].add(1, mode="drop")
@@ -94,15 +93,13 @@ def penalize(
 
 def process_logits(logits: jax.Array, s, state: PenaltyState | None) -> jax.Array:
     """Everything that changes which token wins before temperature, in vLLM v1's order.
-    `s` is a SamplingInputs; fields it lacks (None) and a missing state are skipped."""
-    cond = jax.lax.cond
+    `s` is a SamplingInputs; fields it lacks (None) and a missing state are skipped. Runs
+    unconditionally (no lax.cond: the host picks a program without penalties when no row uses
+    them, see sampler.sample)."""
     if s.suppress_ids is not None:
-        logits = cond(jnp.any(s.suppress_ids >= 0), suppress, lambda x, _: x, logits, s.suppress_ids)
+        logits = suppress(logits, s.suppress_ids)
     if s.bias_ids is not None:
-        logits = cond(jnp.any(s.bias_ids >= 0), add_bias, lambda x, *_: x, logits, s.bias_ids, s.bias_values)
+        logits = add_bias(logits, s.bias_ids, s.bias_values)
     if state is not None and s.slot is not None:
-        used = jnp.any((s.presence != 0) | (s.frequency != 0) | (s.repetition != 1))
-        logits = cond(
-            used, penalize, lambda x, *_: x, logits, state, s.slot, s.presence, s.frequency, s.repetition
-        )
+        logits = penalize(logits, state, s.slot, s.presence, s.frequency, s.repetition)
     return logits

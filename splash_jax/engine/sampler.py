@@ -127,13 +127,11 @@ def _top_k_top_p(scaled: jax.Array, s: SamplingInputs) -> jax.Array:
 
 
 def filter_logits(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Temperature, then min_p, then top-k and top-p (vLLM v1's order); each filter runs only
-    when some row of the batch uses it."""
+    """Temperature, then min_p, then top-k and top-p (vLLM v1's order). Neutral rows pass through."""
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     if s.min_p is not None:
-        scaled = jax.lax.cond(jnp.any(s.min_p > 0), _min_p, lambda x, _: x, scaled, s.min_p)
-    needs_filter = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
-    return jax.lax.cond(needs_filter, _top_k_top_p, lambda x, _: x, scaled, s)
+        scaled = _min_p(scaled, s.min_p)
+    return _top_k_top_p(scaled, s)
 
 
 def _draw(logits: jax.Array, s: SamplingInputs) -> jax.Array:
@@ -144,17 +142,26 @@ def _draw(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     return jax.vmap(draw)(s.seed, s.step, filter_logits(logits, s)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: SamplingInputs, penalties: PenaltyState | None = None) -> SampleOutput:
-    """Suppress, logit_bias and penalties (`process_logits`), then greedy rows take the argmax and
-    the others draw from the filtered distribution. The vocabulary sort, the random draw and every
-    processor run only when some row of the batch needs them (lax.cond executes one branch).
-    Logprobs stay those of the raw model distribution. penalties=None: no penalties."""
+def needs_full(params: SamplingParams) -> bool:
+    """Whether a request needs the full sampler: a random draw, top-n logprobs or penalties."""
+    return params.temperature > 0 or bool(params.logprobs) or params.uses_penalties
+
+
+def sample(logits: jax.Array, s: SamplingInputs, penalties: PenaltyState | None = None, full: bool = True) -> SampleOutput:
+    """Suppress and logit_bias always; with `full` also penalties, the random draw (rows with
+    temperature > 0) and top-n logprobs. `full` is static: the host knows every row's parameters
+    and picks the program, so the step has no lax.cond (on GPUs a conditional stops the host until
+    its predicate is known, which serializes host and device). Logprobs stay those of the raw
+    model distribution. penalties=None: no penalties."""
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    logits = process_logits(logits, s, penalties)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = jax.lax.cond(jnp.any(s.temperature > 0), _draw, lambda l, _: greedy, logits, s)
-    tokens = jnp.where(s.temperature > 0, sampled, greedy)
+    logits = process_logits(logits, s, penalties if full else None)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    rows, k = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
+    if full:
+        tokens = jnp.where(s.temperature > 0, _draw(logits, s), tokens)
+        top_lp, top_ids = jax.lax.top_k(logprobs, k)
+    else:
+        top_lp, top_ids = jnp.zeros((rows, k), jnp.float32), jnp.zeros((rows, k), jnp.int32)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)

@@ -215,6 +215,27 @@ class Scheduler:
             self._free_slots.append(request.slot)
             request.slot = -1
 
+    def admit_cached(self, request: Request, num_cached: int, reserve: int = 0) -> bool:
+        """Run `request` as if its first `num_cached` tokens were already in the cache (benchmarks:
+        the same work per decode step as after a real prefill, without its cost). False if it
+        does not fit (nothing changes then)."""
+        if not self._free_slots:
+            return False
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.device_pages = [[] for _ in range(self.n)]
+        request.owner = self.least_loaded_device()
+        request.slot = self._free_slots.pop()
+        if not self.allocate(request, num_cached + reserve):
+            self._release(request)
+            self.waiting.appendleft(request)
+            return False
+        request.num_computed = num_cached
+        request.status = Status.RUNNING
+        request.order = next(self._order)
+        self.running.append(request)
+        return True
+
     # --- layout switches ----------------------------------------------------------------------
     def set_placement(self, placement: Placement) -> None:
         self.placement = placement

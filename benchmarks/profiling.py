@@ -1,0 +1,71 @@
+"""GPU busy time from a `jax.profiler` trace: the union of kernel intervals on the GPU streams.
+
+Back-to-back wall timing cannot tell how long the device waited for the host; a trace can.
+`device_busy(fn, steps)` runs `fn` `steps` times under the profiler and returns per-step busy
+time, kernel count and the top kernels. On CPU (no GPU planes) it returns busy = None.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import shutil
+import tempfile
+import time
+
+import jax
+
+
+@dataclasses.dataclass
+class BusyProfile:
+    busy_ms: float | None  # per step: union of kernel intervals over all GPU streams
+    kernels: float  # kernels per step
+    window_ms: float  # wall time of the profiled window per step
+    top: list[tuple[str, float]]  # (kernel name, us per step)
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def device_busy(fn, steps: int, sync=None) -> BusyProfile:
+    """Profile `steps` calls of fn(); `sync()` (default: jax.effects_barrier) waits for the device."""
+    sync = sync or jax.effects_barrier
+    sync()
+    folder = tempfile.mkdtemp(prefix="splash-prof-")
+    try:
+        with jax.profiler.trace(folder):
+            t = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            sync()
+            window = time.perf_counter() - t
+        files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(files[0])
+        intervals, names, count, found = [], collections.Counter(), 0, False
+        for plane in data.planes:
+            if "gpu" not in plane.name.lower():
+                continue
+            for line in plane.lines:
+                if "stream" not in line.name.lower():
+                    continue
+                found = True
+                for ev in line.events:
+                    start = int(ev.start_ns)
+                    intervals.append((start, start + int(ev.duration_ns)))
+                    names[ev.name[:80]] += ev.duration_ns
+                    count += 1
+        busy = _union_ns(intervals) / steps / 1e6 if found else None
+        top = [(k, v / steps / 1e3) for k, v in names.most_common(8)]
+        return BusyProfile(busy, count / steps, window / steps * 1e3, top)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
