@@ -94,6 +94,7 @@ def main(argv=None):
         page_size=args.page_size, kv_memory_gb=args.kv_memory_gb, max_model_len=args.context + 1024,
         max_num_seqs=args.batch, max_num_batched_tokens=max(args.batch, 8), enable_switching=True,
         switch_chunk_pages=args.chunk_pages, compile_cache_dir=None, dtype=args.dtype,
+        min_token_bucket=max(args.batch, 8),  # decode-only workload: one bucket per layout is enough
     ))
     log.info("engine ready in %.1fs (%d programs)", time.perf_counter() - t0, engine.executor.num_compiled)
     link = link_bandwidth(engine.mesh)

@@ -40,6 +40,7 @@ class EngineConfig:
     seed: int = 0
     compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
     warmup: bool = True  # compile every bucket at start-up
+    compile_threads: int = 1  # ahead-of-time compiles in parallel threads (1: in the calling thread)
 
     def resolved_dtype(self, backend: str) -> str:
         if self.dtype != "auto":

@@ -142,7 +142,7 @@ class Engine:
         )
         if config.warmup:  # with switching, every layout's steps: a switch must never compile
             layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else None
-            self.executor.compile_all(layouts, moving=config.enable_switching)
+            self.executor.compile_all(layouts, moving=config.enable_switching, threads=config.compile_threads)
         self.switcher = None
         if config.enable_switching:
             from splash_jax.switch.controller import SwitchController

@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 
 import jax
@@ -42,6 +43,7 @@ from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pag
 
 log = logging.getLogger(__name__)
 
+COMPILE_THREAD_STACK = 512 * 2**20
 PER_DEVICE_FIELDS = ("token_request", "write_page", "write_offset", "kv_lens", "page_table")
 
 
@@ -228,7 +230,9 @@ class StepExecutor:
             min_tokens = max(1, min_tokens // self.n)
         return bucket_ladder(max_tokens, max_requests, min_tokens)
 
-    def compile_all(self, layouts: list[Layout] | None = None, moving: bool = False, show_progress: bool = True) -> float:
+    def compile_all(
+        self, layouts: list[Layout] | None = None, moving: bool = False, show_progress: bool = True, threads: int = 1,
+    ) -> float:
         """Compile every (layout, bucket) program with both samplers (greedy, full) and, when
         switching, the `moving` variants, in parallel threads."""
         layouts = layouts or [self.layout]
@@ -236,16 +240,27 @@ class StepExecutor:
         todo = [(lay, b, m, f) for lay in layouts for b in self.buckets(lay) for m in variants for f in (False, True)
                 if (lay.name, b, m, f) not in self._compiled]
         t0 = time.perf_counter()
-        workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool, tqdm(
-            total=len(todo), desc="compiling steps", unit="program", disable=not show_progress, leave=False
-        ) as bar:
-            lowered = [(key, self.lower(*key)) for key in todo]  # tracing holds the GIL: do it here
-            futures = {pool.submit(low.compile): key for key, low in lowered}
-            for future in concurrent.futures.as_completed(futures):
-                lay, b, m, f = futures[future]
-                self._compiled[(lay.name, b, m, f)] = future.result()
-                bar.update()
+        workers = max(1, min(len(todo), os.cpu_count() or 1, threads))
+        with tqdm(total=len(todo), desc="compiling steps", unit="program", disable=not show_progress, leave=False) as bar:
+            if workers == 1:  # lower and compile one program at a time
+                for lay, b, m, f in todo:
+                    self._compiled[(lay.name, b, m, f)] = self.lower(lay, b, m, f).compile()
+                    bar.update()
+            else:
+                lowered = [(key, self.lower(*key)) for key in todo]  # tracing holds the GIL: do it here
+                # XLA's GPU compiler recurses deeply: a worker thread with the default stack crashed
+                # (segfault) on an H200, so compile threads get a large stack.
+                previous = threading.stack_size(COMPILE_THREAD_STACK)
+                try:
+                    pool = concurrent.futures.ThreadPoolExecutor(workers)
+                finally:
+                    threading.stack_size(previous)
+                with pool:
+                    futures = {pool.submit(low.compile): key for key, low in lowered}
+                    for future in concurrent.futures.as_completed(futures):
+                        lay, b, m, f = futures[future]
+                        self._compiled[(lay.name, b, m, f)] = future.result()
+                        bar.update()
         elapsed = time.perf_counter() - t0
         self.num_compiled += len(todo)
         self.compile_seconds += elapsed
