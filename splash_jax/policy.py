@@ -57,16 +57,16 @@ class CostModel:
         self.layers = cfg.num_layers
         self.heads = cfg.num_heads
         self.hidden = cfg.hidden_size
-        self.kv_bytes_per_token = cfg.num_layers * cfg.latent_dim * engine.executor.kv.latent[0].dtype.itemsize
+        self.kv_bytes_per_token = cfg.num_layers * cfg.latent_dim * engine.executor.pool.latent[0].dtype.itemsize
         self.head_bytes = engine.head_sharded_bytes
-        self.dtype_bytes = engine.executor.kv.latent[0].dtype.itemsize
+        self.dtype_bytes = engine.executor.pool.latent[0].dtype.itemsize
         self.other_weight_bytes = self._other_weight_bytes(engine)
 
     @staticmethod
     def _other_weight_bytes(engine) -> float:
         import jax
 
-        total = sum(x.nbytes for x in jax.tree.leaves(engine.executor.state))
+        total = sum(x.nbytes for _, x in engine.executor.param_items())
         return (total - engine.head_sharded_bytes) / engine.n  # FFN/embeddings: sharded in every layout
 
     def step_seconds(self, layout: Layout, load: Load) -> float:

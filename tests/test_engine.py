@@ -171,3 +171,107 @@ def test_stream_deltas_concatenate_to_text_and_never_show_a_stop_prefix(engine):
     for d in deltas:
         shown += d
         assert final.text.startswith(shown)
+
+
+def test_a_request_that_breaks_step_packing_fails_alone(engine, reference):
+    """A request that passed validation but breaks the host side of a step (here: its sampling
+    row raises) is found and failed with a clear error; the others' outputs are unchanged."""
+    assign = engine.slot_sampling.assign
+
+    def fragile(slot, params, seed):
+        if params.seed == 4242:
+            raise OverflowError("value out of int32 range")
+        return assign(slot, params, seed)
+
+    engine.slot_sampling.assign = fragile
+    try:
+        params = [SamplingParams(max_tokens=12)] * 3 + [SamplingParams(max_tokens=12, seed=4242)]
+        outs = engine.generate(PROMPTS[:3] + [PROMPTS[3]], params)
+    finally:
+        engine.slot_sampling.assign = assign
+    assert [o.token_ids for o in outs[:3]] == [reference[p] for p in PROMPTS[:3]]
+    assert outs[3].finish_reason == "error" and "OverflowError" in outs[3].error
+    assert not engine.has_work() and engine.stats()["pages_used"] == 0
+
+
+def test_a_failed_device_step_recomputes_and_outputs_are_unchanged(engine, reference):
+    """A step that fails on the device loses the donated pool: every running request is recomputed
+    from an empty pool (none is lost or changed); a request in two failed steps is failed."""
+    run, calls = engine.executor.run, [0]
+
+    def flaky(*args, **kw):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("simulated device failure")
+        return run(*args, **kw)
+
+    engine.executor.run = flaky
+    try:
+        outs = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=12))
+    finally:
+        engine.executor.run = run
+    assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS[:3]]
+    assert engine.stats()["step_failures"] == 1 and engine.stats()["pages_used"] == 0
+
+
+def _mixed_workload(engine, overlap: bool, reference):
+    """Staggered arrivals with chunked prefill, stop strings and ids, logprobs, sampling, penalties
+    and an abort, run with overlapped scheduling on or off. Returns every request's outcome."""
+    engine.set_overlap(overlap)
+    tok = reference[PROMPTS[2]][4]
+    params = [
+        SamplingParams(max_tokens=12, logprobs=3),
+        SamplingParams(max_tokens=12, stop_token_ids=[tok]),
+        SamplingParams(max_tokens=12, stop_token_ids=[tok]),
+        SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5),
+        SamplingParams(max_tokens=40),  # aborted after a few steps
+        SamplingParams(max_tokens=12, stop=["e"], logprobs=0),
+    ]
+    arrivals = [0, 0, 1, 3, 4, 6]
+    acc, ids, step, aborted = {}, {}, 0, None
+    pending = sorted(zip(arrivals, range(len(PROMPTS))))
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= step:
+            _, i = pending.pop(0)
+            ids[engine.add_request(PROMPTS[i], params[i])] = i
+        accumulate(acc, engine.step())
+        if step == 9:
+            aborted = next(r for r, i in ids.items() if i == 4)
+            engine.abort(aborted)
+        step += 1
+    engine.set_overlap(True)
+    out = {}
+    for rid, i in ids.items():
+        o = acc.get(rid)
+        out[i] = None if rid == aborted else (o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs)
+    assert engine.stats()["pages_used"] == 0
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    """Tokens, text, finish and stop reasons equal; logprobs to 1e-4 (a position recomputed after a
+    preemption may run in another batch shape, since preemption timing differs between the modes:
+    float rounding changes, tokens do not)."""
+    assert a.keys() == b.keys()
+    for i in a:
+        assert (a[i] is None) == (b[i] is None), i
+        if a[i] is not None:
+            assert a[i][:4] == b[i][:4], i
+            if a[i][4] is not None:
+                np.testing.assert_allclose(a[i][4], b[i][4], atol=1e-4)
+
+
+def test_overlapped_and_synchronous_scheduling_give_identical_outputs(engine, model, reference):
+    _same(_mixed_workload(engine, True, reference), _mixed_workload(engine, False, reference))
+    # ...and with a pool so small that requests are preempted and recomputed.
+    small = make_engine(model, max_pages=12)
+    a, b = _mixed_workload(small, True, reference), _mixed_workload(small, False, reference)
+    assert small.scheduler.num_preemptions > 0
+    _same(a, b)
+
+
+def test_no_output_has_a_token_after_its_stop(engine, reference):
+    """With overlapped scheduling a token is sampled past the stop; it is dropped, never shown."""
+    tok = reference[PROMPTS[0]][3]
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, stop_token_ids=[tok]))[0]
+    assert out.token_ids == reference[PROMPTS[0]][:4] and out.token_ids[-1] == tok and out.stop_reason == tok

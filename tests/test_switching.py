@@ -3,6 +3,7 @@ switches finish within a step, memory returns to the destination's steady state,
 preemption and cancellation leave the engine consistent."""
 
 import gc
+import re
 
 import jax
 import numpy as np
@@ -199,3 +200,73 @@ def test_requests_admitted_during_a_switch_are_preempted_at_handoff_not_lost():
     got, handle = run(engine, switch=True)
     assert handle.state == SwitchState.DONE and handle.preempted and engine.layout.name == "tp"
     assert got == want and len(got) == 12
+
+
+def test_page_moves_ride_inside_the_step_program(engine):
+    """The migration copies are an all_to_all inside the compiled step (XLA can overlap it with the
+    forward pass), not a separate program the next step waits on: during the copy phase the
+    standalone mover never runs; only the handoff may use it for the last partial pages."""
+    ex = engine.executor
+    bucket = ex.buckets(engine.layout)[0]
+    moving = ex.compiled(engine.layout, bucket, moving=True).as_text()
+    plain = ex.compiled(engine.layout, bucket, moving=False).as_text()
+    count = lambda hlo: len(re.findall(r"all-to-all(-start)?\(", hlo))  # noqa: E731
+    assert count(moving) > count(plain), "the moving step program has no extra all_to_all"
+
+    if engine.layout.name != "dop":
+        h = engine.switch_layout("dop")
+        while not h.done:
+            engine.step()
+    for p in PROMPTS:
+        engine.add_request(p * 3, SamplingParams(max_tokens=30))
+    for _ in range(8):
+        engine.step()
+    outside_handoff, in_handoff = [], [False]
+    movers, handoff = dict(engine.switcher.movers), engine.switcher._handoff
+
+    def counting(mover):
+        def call(kv, chunk):
+            if not in_handoff[0]:
+                outside_handoff.append(chunk.count)
+            return mover(kv, chunk)
+        return call
+
+    def flagged_handoff(*args):
+        in_handoff[0] = True
+        try:
+            return handoff(*args)
+        finally:
+            in_handoff[0] = False
+
+    engine.switcher.movers = {k: counting(m) for k, m in movers.items()}
+    engine.switcher._handoff = flagged_handoff
+    try:
+        h = engine.switch_layout("tp")  # broadcast every owned page: many copies
+        steps_with_moves = 0
+        while not h.done:
+            before = h.pages_copied
+            engine.step()
+            steps_with_moves += h.pages_copied > before and not h.done
+        assert h.state == SwitchState.DONE and h.pages_copied > 0
+        assert steps_with_moves >= 2 and h.steps_overlapped >= steps_with_moves
+        assert not outside_handoff, "a standalone page-move program ran between steps"
+    finally:
+        engine.switcher.movers = movers
+        del engine.switcher._handoff
+        for rid in list(engine._requests):
+            engine.abort(rid)
+        while engine.has_work():
+            engine.step()
+
+
+def test_switches_under_synchronous_scheduling_keep_outputs_identical(engine, fixed_outputs):
+    """The same switching workload with overlapped scheduling off: outputs equal the fixed layout."""
+    engine.set_overlap(False)
+    try:
+        with count_compiles() as compiles:
+            done, handles = run(engine, ["dop", "tp", "cp", "dp", "tp"], np.random.default_rng(3))
+    finally:
+        engine.set_overlap(True)
+    assert compiles.count == 0 and sum(h.state == SwitchState.DONE for h in handles) >= 3
+    for i in range(len(PROMPTS)):
+        assert done[i].token_ids == fixed_outputs[i].token_ids, (i, PROMPTS[i])

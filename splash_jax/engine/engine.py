@@ -274,8 +274,8 @@ class Engine:
         for c in chunks:  # a request that just took a slot: write its sampling row once
             r = c.request
             if self._slot_request[r.slot] is not r:
-                self._slot_request[r.slot] = r
                 self.slot_sampling.assign(r.slot, r.params, r.sample_seed)
+                self._slot_request[r.slot] = r
         bucket = self._bucket(chunks)
         shape = self.executor.shape(self.layout, bucket)
         return bucket, pack_step(shape, chunks, self.scheduler.tables, self.slot_sampling, self.config.page_size)

@@ -152,6 +152,16 @@ class StepExecutor:
     def param_items(self) -> list[tuple[tuple[str, ...], jax.Array]]:
         return list(zip(self.paths, self.params))
 
+    @property
+    def pool(self) -> KVCache:
+        """The KV pool as it is now (read it; change it only through apply_to_pool or swap)."""
+        return self.kv
+
+    def apply_to_pool(self, fn) -> None:
+        """Replace the pool by fn(pool): a precompiled program that donates it (page moves at
+        handoff, dropping the extra segment)."""
+        self.kv = fn(self.kv)
+
     def swap(self, layout: Layout, params: list[jax.Array], kv: KVCache) -> None:
         """Hand off to a new layout: its params and pool replace the old ones together."""
         self.layout, self.params, self.kv = layout, params, kv

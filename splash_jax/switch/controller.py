@@ -260,11 +260,10 @@ class SwitchController:
         if not pending:
             return
         engine = self.engine
-        mover = self.movers[engine.executor.kv.num_segments]
-        kv = engine.executor.kv
+        ex = engine.executor
+        mover = self.movers[ex.kv_abstract(ex.layout).num_segments]
         for chunk in pack_chunks([c for _, c in pending], engine.allocator, self.chunk_pages):
-            kv = mover(kv, chunk)
-        engine.executor.kv = kv
+            ex.apply_to_pool(lambda kv, chunk=chunk: mover(kv, chunk))
         for rid, _ in pending:
             self._cursor[rid] += 1
         handle.pages_copied += len(pending)
@@ -320,9 +319,9 @@ class SwitchController:
         # 3. Pool segment and weights, in the order that never needs both memories at once.
         if plan.extra_segment == "remove":
             engine.allocator.remove_extra_segment()
-            ex.kv = drop_extra_segment(ex.kv)
+            ex.apply_to_pool(drop_extra_segment)
         params = self._resharded_weights(dst)
-        kv = ex.kv
+        kv = ex.pool
         if plan.extra_segment == "add" and self._make_extra is not None:
             arrays = self._make_extra()
             n_layers = len(kv.latent)
