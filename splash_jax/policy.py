@@ -1,20 +1,26 @@
 """A transition-aware layout policy: switch only when the expected gain pays for the move.
 
 Every `interval_steps` the engine asks `decide()`. The policy
-  1. describes the current load (running requests, their cached tokens, the longest context),
-  2. drops layouts that cannot hold it (the engine's own capacity accounting, with a margin),
-  3. estimates each remaining layout's decode step time with a roofline cost model
-     (bytes each device must read + bytes it must exchange, over the machine's bandwidths,
-     taking the busiest device: owner layouts leave devices idle when requests < devices),
-  4. switches to the cheapest layout only if the time it saves over `horizon_steps` exceeds the
-     transition cost (bytes the switch would move over the interconnect) by `min_gain`, and no
-     switch happened in the last `cooldown_steps`.
-The cost model is analytic (DESIGN.md §2, §6 numbers); it has not been calibrated on a
-multi-GPU machine yet, so its constants are fields to tune, not measurements.
+  1. describes the load: running requests and their cached tokens, the longest context, and the
+     requests waiting for admission;
+  2. drops layouts that cannot hold the running requests (the engine's own capacity accounting,
+     with a margin) and says why;
+  3. for each remaining layout, counts the requests it would run (the running ones plus the
+     waiting ones its free capacity admits, in queue order: DOP's larger pool admits more) and
+     estimates its decode step time, from a measured calibration table when
+     `calibration` names one (splash_jax/calibration.py), else from a roofline (bytes the busiest
+     device reads over HBM bandwidth + bytes it exchanges over the link);
+  4. ranks layouts by seconds per output token, and switches to the best one only if the time it
+     saves over `horizon_steps` exceeds the switch cost (measured per pair when calibrated, else
+     bytes moved over the link) by `min_gain`, and no switch happened in the last `cooldown_steps`.
+     Leaving a layout that can no longer hold the load is always allowed.
+Every evaluation is kept (the last `history` of them) with its per-layout estimates, so the log
+and `summary()` say why the policy switched or stayed.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 
@@ -31,8 +37,10 @@ class PolicyConfig:
     min_gain: float = 0.2  # the saving must exceed the switch cost by this fraction
     cooldown_steps: int = 64  # steps after a switch before another is considered
     capacity_margin: float = 0.1  # keep this fraction of a layout's pool free
-    hbm_bytes_per_s: float = 4.3e12  # per device (H200, measured by copy)
-    link_bytes_per_s: float = 450e9  # per device per direction (NVLink)
+    hbm_bytes_per_s: float = 4.3e12  # roofline only: per device (H200, measured by copy)
+    link_bytes_per_s: float = 450e9  # roofline only: per device per direction (NVLink)
+    calibration: str = ""  # measured cost table (benchmarks/calibrate.py); empty = roofline model
+    history: int = 64  # evaluations kept for summary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,15 +48,31 @@ class Load:
     requests: int
     cached_tokens: int  # over all running requests
     max_context: int
+    waiting: tuple[int, ...] = ()  # tokens of each waiting request, in queue order
 
     @classmethod
     def of(cls, engine) -> "Load":
         running = engine.scheduler.running
-        return cls(len(running), sum(r.num_tokens for r in running), max((r.num_tokens for r in running), default=0))
+        return cls(
+            len(running), sum(r.num_tokens for r in running), max((r.num_tokens for r in running), default=0),
+            tuple(r.num_tokens for r in engine.scheduler.waiting),
+        )
 
 
-class CostModel:
-    """Decode step time per layout from bytes read and bytes exchanged by the busiest device."""
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    layout: str
+    batch: int  # requests it would run (running + waiting it admits)
+    step_s: float
+    s_per_token: float
+    source: str  # grid | fit | roofline
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class RooflineCosts:
+    """Decode step time from bytes read and bytes exchanged by the busiest device (uncalibrated)."""
 
     def __init__(self, engine, config: PolicyConfig):
         cfg = engine.model_config
@@ -57,26 +81,20 @@ class CostModel:
         self.layers = cfg.num_layers
         self.heads = cfg.num_heads
         self.hidden = cfg.hidden_size
-        self.kv_bytes_per_token = cfg.num_layers * cfg.latent_dim * engine.executor.pool.latent[0].dtype.itemsize
-        self.head_bytes = engine.head_sharded_bytes
         self.dtype_bytes = engine.executor.pool.latent[0].dtype.itemsize
-        self.other_weight_bytes = self._other_weight_bytes(engine)
-
-    @staticmethod
-    def _other_weight_bytes(engine) -> float:
-        import jax
-
+        self.kv_bytes_per_token = cfg.num_layers * cfg.latent_dim * self.dtype_bytes
+        self.head_bytes = engine.head_sharded_bytes
         total = sum(x.nbytes for _, x in engine.executor.param_items())
-        return (total - engine.head_sharded_bytes) / engine.n  # FFN/embeddings: sharded in every layout
+        self.other_weight_bytes = (total - engine.head_sharded_bytes) / engine.n  # sharded in every layout
 
-    def step_seconds(self, layout: Layout, load: Load) -> float:
+    def step_seconds(self, layout: Layout, requests: int, cached_tokens: float) -> tuple[float, str]:
         n, c = self.n, self.config
-        if load.requests == 0:
-            return 0.0
+        if requests == 0:
+            return 0.0, "roofline"
         weights = self.other_weight_bytes + (self.head_bytes / n if layout.heads_sharded else self.head_bytes)
-        kv = layout.kv_placement.cached_bytes_read(load.cached_tokens, load.requests, n)
+        kv = layout.kv_placement.cached_bytes_read(cached_tokens, requests, n)
         read = weights + kv * self.kv_bytes_per_token
-        t = load.requests  # one query token per running request
+        t = requests  # one query token per running request
         q = t * self.heads * 576 * self.dtype_bytes  # absorbed query / latent output rows
         exchange = {
             "tp": 2 * t * self.hidden * self.dtype_bytes,  # all-reduce
@@ -84,53 +102,158 @@ class CostModel:
             "dop": 2 * q + 2 * t * self.hidden * self.dtype_bytes,  # 2 all-to-alls + reduce-scatter/gather
             "cp": q + q + t * self.hidden * self.dtype_bytes,  # all-gather q, all-to-all partials, all-reduce
         }[layout.name] * self.layers * (n - 1) / n
-        return read / c.hbm_bytes_per_s + (exchange / c.link_bytes_per_s if n > 1 else 0.0)
+        return read / c.hbm_bytes_per_s + (exchange / c.link_bytes_per_s if n > 1 else 0.0), "roofline"
 
-    def switch_seconds(self, src: Layout, dst: Layout, load: Load) -> float:
-        """Bytes a switch moves between devices (the cache it copies, weights it gathers) over the link."""
-        cache = load.cached_tokens * copies_per_page(src.kv_placement, dst.kv_placement, self.n)
+    def switch_seconds(self, src: Layout, dst: Layout, cached_tokens: float) -> float:
+        """Cache the switch copies and weights it gathers, over the link."""
+        cache = cached_tokens * copies_per_page(src.kv_placement, dst.kv_placement, self.n)
         weights = self.head_bytes * (self.n - 1) / self.n if (src.heads_sharded and not dst.heads_sharded) else 0
         return (cache * self.kv_bytes_per_token + weights) / self.config.link_bytes_per_s
 
 
+class CalibratedCosts:
+    """Step and switch times from a measured calibration table (splash_jax/calibration.py)."""
+
+    def __init__(self, calibration, n: int):
+        from splash_jax.calibration import StepTable
+
+        if calibration.devices != n:
+            raise ValueError(f"the calibration is for {calibration.devices} devices, the engine has {n}")
+        self.cal = calibration
+        self.table = StepTable(calibration)
+        self.n = n
+        self.kv_bytes_per_token = calibration.model["kv_bytes_per_token"]
+
+    def step_seconds(self, layout: Layout, requests: int, cached_tokens: float) -> tuple[float, str]:
+        if requests == 0:
+            return 0.0, "grid"
+        return self.table.seconds(layout.name, requests, cached_tokens / requests)
+
+    def switch_seconds(self, src: Layout, dst: Layout, cached_tokens: float) -> float:
+        measured = self.cal.switch.get(f"{src.name}->{dst.name}")
+        cache = cached_tokens * copies_per_page(src.kv_placement, dst.kv_placement, self.n) * self.kv_bytes_per_token
+        if measured is None:  # pair not measured: its bytes over the measured link
+            return cache / self.cal.link_bytes_per_s if self.cal.link_bytes_per_s else 0.0
+        rate = measured.bytes_per_s or self.cal.link_bytes_per_s
+        return measured.fixed_s + (cache / rate if rate and cache else 0.0)
+
+
+class CostModel:
+    """The policy's cost model: calibrated when `config.calibration` names a file, else roofline."""
+
+    def __init__(self, engine, config: PolicyConfig, calibration=None):
+        if calibration is None and config.calibration:
+            from splash_jax.calibration import Calibration
+
+            calibration = Calibration.load(config.calibration)
+        self.costs = CalibratedCosts(calibration, engine.n) if calibration is not None else RooflineCosts(engine, config)
+        self.kind = f"calibrated ({config.calibration or 'table'})" if calibration is not None else "roofline"
+
+    def estimate(self, layout: Layout, requests: int, cached_tokens: float) -> tuple[float, str]:
+        return self.costs.step_seconds(layout, requests, cached_tokens)
+
+    def step_seconds(self, layout: Layout, load: Load) -> float:
+        return self.estimate(layout, load.requests, load.cached_tokens)[0]
+
+    def switch_seconds(self, src: Layout, dst: Layout, load: Load) -> float:
+        return self.costs.switch_seconds(src, dst, load.cached_tokens)
+
+
 class TransitionAwarePolicy:
-    def __init__(self, engine, config: PolicyConfig | None = None):
+    """Reads from its engine only: scheduler.running/waiting, layout, n, kv_capacity_tokens(),
+    allocator.pages_per_device, config.page_size and config.max_num_seqs (the simulator provides
+    the same attributes)."""
+
+    def __init__(self, engine, config: PolicyConfig | None = None, calibration=None):
         self.engine = engine
         self.config = config or PolicyConfig()
-        self.model = CostModel(engine, self.config)
+        self.model = CostModel(engine, self.config, calibration)
         self.last_switch_step = -10**9
-        self.decisions: list[dict] = []
+        self.decisions: list[dict] = []  # the switches it asked for
+        self.recent: collections.deque[dict] = collections.deque(maxlen=self.config.history)  # every evaluation
+
+    def capacity(self, name: str) -> float:
+        return self.engine.kv_capacity_tokens(name) * (1 - self.config.capacity_margin)
+
+    def infeasible(self, load: Load) -> dict[str, str]:
+        """Layouts that cannot hold the running requests, with the reason."""
+        out = {}
+        one_device = self.engine.allocator.pages_per_device * self.engine.config.page_size
+        for name in LAYOUTS:
+            if load.cached_tokens > self.capacity(name):
+                out[name] = f"{load.cached_tokens} cached tokens > {self.capacity(name):.0f} usable"
+            elif load.max_context > one_device and LAYOUTS[name].kv_placement is not STRIPED:
+                out[name] = f"a {load.max_context}-token context exceeds one device's {one_device}"
+        return out
 
     def feasible(self, load: Load) -> list[str]:
-        ok = []
-        for name in LAYOUTS:
-            capacity = self.engine.kv_capacity_tokens(name) * (1 - self.config.capacity_margin)
-            fits_one_device = load.max_context <= self.engine.allocator.pages_per_device * self.engine.config.page_size
-            if load.cached_tokens <= capacity and (fits_one_device or LAYOUTS[name].kv_placement is STRIPED):
-                ok.append(name)
-        return ok
+        bad = self.infeasible(load)
+        return [name for name in LAYOUTS if name not in bad]
+
+    def batch(self, name: str, load: Load) -> tuple[int, int]:
+        """(requests, cached tokens) layout `name` would run: the running ones plus the waiting ones
+        its free capacity and request limit admit, in queue order."""
+        requests, tokens = load.requests, load.cached_tokens
+        room = self.capacity(name) - tokens
+        for t in load.waiting:
+            if requests >= self.engine.config.max_num_seqs or t > room:
+                break
+            requests, tokens, room = requests + 1, tokens + t, room - t
+        return requests, tokens
+
+    def estimates(self, load: Load) -> dict[str, Estimate]:
+        out = {}
+        for name in self.feasible(load):
+            b, tokens = self.batch(name, load)
+            step, source = self.model.estimate(LAYOUTS[name], b, tokens)
+            out[name] = Estimate(name, b, step, step / b if b else 0.0, source)
+        return out
 
     def decide(self, step: int) -> str | None:
         """The layout to switch to now, or None."""
-        engine, c = self.engine, self.config
+        c = self.config
         if step - self.last_switch_step < c.cooldown_steps:
             return None
-        load = Load.of(engine)
-        current = engine.layout
-        options = self.feasible(load)
-        if not options:
+        load = Load.of(self.engine)
+        if load.requests == 0 and not load.waiting:
+            return None  # nothing to run: any layout is as good, and a switch now costs nothing later
+        current = self.engine.layout
+        est = self.estimates(load)
+        record = {"step": step, "from": current.name, "load": dataclasses.asdict(load) | {"waiting": len(load.waiting)},
+                  "estimates": {k: e.as_dict() for k, e in est.items()}, "infeasible": self.infeasible(load),
+                  "cost_model": self.model.kind}
+        if not est:
+            self._keep(record | {"action": "stay", "reason": "no layout holds the running requests"})
             return None
-        costs = {name: self.model.step_seconds(LAYOUTS[name], load) for name in options}
-        best = min(costs, key=costs.get)
+        best = min(est, key=lambda k: (est[k].s_per_token, k != current.name))
         if best == current.name:
+            self._keep(record | {"action": "stay", "to": best, "reason": f"{best} is the cheapest per token"})
             return None
-        saving = ((costs.get(current.name, float("inf"))) - costs[best]) * c.horizon_steps
+        cur = est.get(current.name)
+        saving = c.horizon_steps * est[best].batch * ((cur.s_per_token if cur else float("inf")) - est[best].s_per_token)
         move = self.model.switch_seconds(current, LAYOUTS[best], load)
-        record = {"step": step, "load": dataclasses.asdict(load), "costs_s": costs, "from": current.name,
-                  "to": best, "saving_s": saving, "switch_s": move}
-        if current.name not in options or saving > move * (1 + c.min_gain):
+        record |= {"to": best, "saving_s": saving, "switch_s": move}
+        if cur is None or saving > move * (1 + c.min_gain):
+            why = f"{current.name} cannot hold the load" if cur is None else (
+                f"saves {saving:.4g}s over {c.horizon_steps} steps > switch {move:.4g}s x {1 + c.min_gain:g}")
+            record |= {"action": "switch", "reason": why}
+            self._keep(record)
             self.decisions.append(record)
             self.last_switch_step = step
-            log.info("policy: %s -> %s (%s)", current.name, best, record)
+            log.info("policy: %s -> %s at step %d: %s (%s)", current.name, best, step, why, _brief(est))
             return best
+        self._keep(record | {"action": "stay", "reason": f"saving {saving:.4g}s does not repay switch {move:.4g}s x {1 + c.min_gain:g}"})
         return None
+
+    def _keep(self, record: dict) -> None:
+        self.recent.append(record)
+        log.debug("policy at step %d: %s (%s)", record["step"], record["action"], record["reason"])
+
+    def summary(self, last: int = 8) -> dict:
+        """What stats() shows: the cost model, the last switches and the last evaluation."""
+        return {"cost_model": self.model.kind, "switches": self.decisions[-last:],
+                "last_evaluation": self.recent[-1] if self.recent else None}
+
+
+def _brief(est: dict[str, Estimate]) -> str:
+    return ", ".join(f"{k}: {e.step_s * 1e3:.3g} ms/step x{e.batch} [{e.source}]" for k, e in est.items())
