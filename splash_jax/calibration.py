@@ -4,7 +4,7 @@ A calibration file (written by `python -m benchmarks.calibrate`) holds, for one 
 model and one device count:
   - decode step seconds per layout over a grid of (running requests, context tokens per request),
     measured with the engine's own step programs;
-  - seconds per prefill token per layout;
+  - prefill step seconds per layout as intercept + seconds per prompt token;
   - the link bandwidth (all_to_all) and the measured cost of each switch pair (fixed handoff
     seconds plus bytes moved over the measured copy rate).
 `StepTable.seconds` interpolates the grid (bilinear in log2(requests) and context, where the
@@ -40,7 +40,7 @@ class Calibration:
     requests: list[int]  # grid axis: running requests
     contexts: list[int]  # grid axis: cached tokens per request
     step_s: dict[str, list[list[float | None]]]  # layout -> [requests index][context index]; None: did not fit
-    prefill_s_per_token: dict[str, float]
+    prefill_s: dict[str, list[float]]  # layout -> [intercept s, s per prompt token] of a prefill step
     link_bytes_per_s: float | None
     switch: dict[str, SwitchCost]  # "src->dst"
 
@@ -67,14 +67,21 @@ def busiest_kv_tokens(layout_name: str, requests: float, context: float, n: int)
 
 
 class StepTable:
-    """Decode step seconds per layout from a calibration: grid interpolation, else the fit."""
+    """Step seconds per layout from a calibration: decode by grid interpolation, else the fit;
+    prefill tokens add their measured per-token slope (a step of prefill alone its intercept too)."""
 
-    def __init__(self, cal: Calibration):
+    def __init__(self, cal: Calibration, devices: int | None = None, scale: float = 1.0):
+        """`devices` other than the calibration's projects the fit to that many devices (the grid,
+        measured on the calibration's devices, is not used then); `scale` multiplies every time
+        (e.g. layers of the target model over layers calibrated)."""
         self.cal = cal
+        self.devices = devices or cal.devices
+        self.scale = scale
+        self.use_grid = self.devices == cal.devices
         self.fit = {name: self._fit(name) for name in cal.step_s}
 
-    def _features(self, name: str, requests: float, context: float) -> list[float]:
-        return [1.0, requests, busiest_kv_tokens(name, requests, context, self.cal.devices)]
+    def _features(self, name: str, requests: float, context: float, devices: int | None = None) -> list[float]:
+        return [1.0, requests, busiest_kv_tokens(name, requests, context, devices or self.cal.devices)]
 
     def _fit(self, name: str) -> list[float] | None:
         from scipy.optimize import nnls  # costs only grow with load: non-negative coefficients
@@ -95,13 +102,19 @@ class StepTable:
         """(step seconds, "grid" | "fit") for `requests` decoding at `context` cached tokens each."""
         if requests <= 0:
             return 0.0, "grid"
-        t = self._grid(name, requests, context)
+        t = self._grid(name, requests, context) if self.use_grid else None
         if t is not None:
-            return t, "grid"
+            return t * self.scale, "grid"
         coef = self.fit.get(name)
         if coef is None:
             raise ValueError(f"the calibration has fewer than 3 measured cells for layout {name}")
-        return float(np.dot(coef, self._features(name, requests, context))), "fit"
+        return float(np.dot(coef, self._features(name, requests, context, self.devices))) * self.scale, "fit"
+
+    def step(self, name: str, decoding: int, context: float, prefill_tokens: int) -> float:
+        """A mixed step: `decoding` requests at `context` tokens each plus `prefill_tokens` prompt tokens."""
+        a, b = (x * self.scale for x in self.cal.prefill_s[name])
+        decode = self.seconds(name, decoding, context)[0] if decoding else a
+        return decode + b * prefill_tokens
 
     def _grid(self, name: str, requests: float, context: float) -> float | None:
         rs, cs, table = self.cal.requests, self.cal.contexts, self.cal.step_s[name]

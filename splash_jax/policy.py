@@ -114,13 +114,13 @@ class RooflineCosts:
 class CalibratedCosts:
     """Step and switch times from a measured calibration table (splash_jax/calibration.py)."""
 
-    def __init__(self, calibration, n: int):
+    def __init__(self, calibration, n: int, table=None):
         from splash_jax.calibration import StepTable
 
-        if calibration.devices != n:
+        if table is None and calibration.devices != n:
             raise ValueError(f"the calibration is for {calibration.devices} devices, the engine has {n}")
         self.cal = calibration
-        self.table = StepTable(calibration)
+        self.table = table or StepTable(calibration)
         self.n = n
         self.kv_bytes_per_token = calibration.model["kv_bytes_per_token"]
 
@@ -141,12 +141,12 @@ class CalibratedCosts:
 class CostModel:
     """The policy's cost model: calibrated when `config.calibration` names a file, else roofline."""
 
-    def __init__(self, engine, config: PolicyConfig, calibration=None):
+    def __init__(self, engine, config: PolicyConfig, calibration=None, table=None):
         if calibration is None and config.calibration:
             from splash_jax.calibration import Calibration
 
             calibration = Calibration.load(config.calibration)
-        self.costs = CalibratedCosts(calibration, engine.n) if calibration is not None else RooflineCosts(engine, config)
+        self.costs = CalibratedCosts(calibration, engine.n, table) if calibration is not None else RooflineCosts(engine, config)
         self.kind = f"calibrated ({config.calibration or 'table'})" if calibration is not None else "roofline"
 
     def estimate(self, layout: Layout, requests: int, cached_tokens: float) -> tuple[float, str]:
@@ -164,10 +164,10 @@ class TransitionAwarePolicy:
     allocator.pages_per_device, config.page_size and config.max_num_seqs (the simulator provides
     the same attributes)."""
 
-    def __init__(self, engine, config: PolicyConfig | None = None, calibration=None):
+    def __init__(self, engine, config: PolicyConfig | None = None, calibration=None, table=None):
         self.engine = engine
         self.config = config or PolicyConfig()
-        self.model = CostModel(engine, self.config, calibration)
+        self.model = CostModel(engine, self.config, calibration, table)
         self.last_switch_step = -10**9
         self.decisions: list[dict] = []  # the switches it asked for
         self.recent: collections.deque[dict] = collections.deque(maxlen=self.config.history)  # every evaluation

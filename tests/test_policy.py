@@ -1,9 +1,15 @@
-"""The transition-aware policy: its cost model ranks layouts as DESIGN.md §2 says, it respects
-capacity, it waits out its cooldown, and switching it drives keeps outputs identical."""
+"""The transition-aware policy: its cost model ranks layouts as DESIGN.md §2 says (roofline) or as a
+measured calibration table says, it respects capacity, it waits out its cooldown, a switch must
+repay its measured cost over the horizon, and switching it drives keeps outputs identical."""
+
+import itertools
+import math
 
 import pytest
 
-from splash_jax.engine.request import accumulate
+from benchmarks.simulate import SimConfig, SimEngine
+from splash_jax.calibration import Calibration, StepTable, SwitchCost
+from splash_jax.engine.request import Request, accumulate
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.mesh.layouts import LAYOUTS
 from splash_jax.policy import CostModel, Load, PolicyConfig, TransitionAwarePolicy
@@ -75,3 +81,119 @@ def test_auto_policy_follows_the_load_and_keeps_outputs_identical():
     assert moves[:2] == [("dp", "tp"), ("tp", "dp")], engine.policy.decisions
     assert engine.stats()["switches"] >= 2
     assert [done[i] for i in range(len(prompts))] == want
+
+
+# --- calibrated cost model ------------------------------------------------------------------
+# A synthetic calibration table drives the real policy on the simulator's engine stand-in
+# (the real Scheduler and PageAllocator; no device programs), so these run in milliseconds.
+
+
+N, RS, CS = 8, [1, 4, 16], [32, 128, 384]
+
+
+def synthetic(base: dict[str, float], per_token: float = 2e-6, switch_fixed: float = 0.01) -> Calibration:
+    """Step time = base[layout] + 1e-4 x requests + per_token x tokens the busiest device reads."""
+
+    def t(lay, r, c):
+        busy = {"tp": r * c, "dp": math.ceil(r / N) * c, "dop": math.ceil(r / N) * c, "cp": r * c / N}[lay]
+        return base[lay] + 1e-4 * r + per_token * busy
+
+    return Calibration(
+        "synthetic", N, {"name": "t", "layers": 3, "heads": 8, "hidden": 128, "kv_bytes_per_token": 6912}, 16, RS, CS,
+        {lay: [[t(lay, r, c) for c in CS] for r in RS] for lay in LAYOUTS}, {lay: [0.01, 1e-5] for lay in LAYOUTS}, 1e9,
+        {f"{a}->{b}": SwitchCost(switch_fixed, 1e9) for a, b in itertools.permutations(LAYOUTS, 2)},
+    )
+
+
+def sim(layout: str, running: int, context: int, waiting: int = 0, wait_len: int = 0, pages: int = 48) -> SimEngine:
+    eng = SimEngine(SimConfig(pages_per_device=pages, extra_pages_per_device=32), N, layout)
+    for i in range(running + waiting):
+        n = context if i < running else wait_len
+        r = Request(f"r{i}", [2] * n, SamplingParams(max_tokens=8, ignore_eos=True))
+        eng.scheduler.add(r)
+        if i < running:
+            assert eng.scheduler.admit_cached(r, n - 1)
+    return eng
+
+
+FAST = {"tp": 0.02, "dp": 0.02, "dop": 0.02, "cp": 0.02}
+
+
+@pytest.mark.parametrize("fastest", list(LAYOUTS))
+def test_calibrated_policy_picks_the_layout_the_table_says_is_fastest(fastest):
+    cal = synthetic(FAST | {fastest: 0.005})
+    start = "dp" if fastest != "dp" else "tp"
+    for running, ctx in [(1, 40), (4, 100), (12, 60)]:
+        eng = sim(start, running, ctx)
+        policy = TransitionAwarePolicy(eng, PolicyConfig(cooldown_steps=0), cal)
+        est = policy.estimates(Load.of(eng))
+        assert min(est, key=lambda k: est[k].step_s) == fastest
+        assert policy.decide(0) == fastest
+        assert policy.decisions[-1]["estimates"][fastest]["source"] == "grid"  # inside the measured grid
+
+
+def test_calibrated_policy_never_picks_a_layout_that_cannot_hold_the_load():
+    cal = synthetic(FAST | {"tp": 0.001, "dp": 0.004})  # TP fastest, then DP, by far
+    for running, ctx in [(2, 100), (6, 300), (12, 300), (16, 380)]:
+        eng = sim("dop", running, ctx)
+        policy = TransitionAwarePolicy(eng, PolicyConfig(cooldown_steps=0), cal)
+        load = Load.of(eng)
+        dst = policy.decide(0) or "dop"
+        assert load.cached_tokens <= eng.kv_capacity_tokens(dst) * 0.9, (running, ctx, dst)
+        if load.cached_tokens > eng.kv_capacity_tokens("tp") * 0.9:
+            assert dst != "tp" and "tp" in policy.recent[-1]["infeasible"]
+    assert dst in ("dop", "cp") and "dp" in policy.recent[-1]["infeasible"]  # 16 x 380: beyond DP too
+
+
+def test_calibrated_policy_waits_out_its_cooldown():
+    cal = synthetic(FAST | {"tp": 0.005})
+    eng = sim("dp", 4, 100)
+    policy = TransitionAwarePolicy(eng, PolicyConfig(cooldown_steps=32), cal)
+    assert policy.decide(0) == "tp"
+    # The engine did not switch: the policy still sees DP, but will not ask again within 32 steps.
+    assert [policy.decide(s) for s in (1, 16, 31)] == [None] * 3
+    assert policy.decide(32) == "tp"
+
+
+def test_switch_only_when_the_horizon_repays_the_measured_switch_cost():
+    # TP saves 2 ms per step over DP; the measured switch costs 1 s.
+    cal = synthetic(FAST | {"tp": 0.018}, switch_fixed=1.0)
+    eng = sim("dp", 4, 100)
+    short = TransitionAwarePolicy(eng, PolicyConfig(horizon_steps=256, cooldown_steps=0), cal)
+    assert short.decide(0) is None  # 0.5 s saved < 1.2 s
+    assert "does not repay" in short.recent[-1]["reason"]
+    long = TransitionAwarePolicy(eng, PolicyConfig(horizon_steps=1024, cooldown_steps=0), cal)
+    assert long.decide(0) == "tp"  # 2.05 s saved > 1.2 s
+    # The fixed part plus the cache it copies (7 new replicas of 4 x 100 tokens) at the measured rate.
+    assert long.decisions[-1]["switch_s"] == pytest.approx(1.0 + 400 * 7 * 6912 / 1e9)
+
+
+def test_waiting_requests_favour_the_layout_that_admits_them():
+    # Same step time everywhere; DOP's extra segment admits waiting requests DP's pool cannot.
+    cal = synthetic(FAST | {"dp": 0.019})
+    eng = sim("dp", 10, 150, waiting=16, wait_len=150, pages=24)
+    policy = TransitionAwarePolicy(eng, PolicyConfig(cooldown_steps=0), cal)
+    est = policy.estimates(Load.of(eng))
+    assert est["dop"].batch > est["dp"].batch
+    assert policy.decide(0) in ("dop", "cp")  # the two layouts with the largest pool
+
+
+def test_step_table_interpolates_the_grid_and_fits_outside_it():
+    cal = synthetic(FAST)
+    table = StepTable(cal)
+    assert table.seconds("dp", 4, 128) == (pytest.approx(cal.step_s["dp"][1][1]), "grid")
+    mid = table.seconds("tp", 4, 80)[0]  # linear in context between two cells
+    assert mid == pytest.approx((cal.step_s["tp"][1][0] + cal.step_s["tp"][1][1]) / 2)
+    t, source = table.seconds("tp", 32, 1000)  # outside: the fit, exact for this linear table
+    assert source == "fit" and t == pytest.approx(0.02 + 1e-4 * 32 + 2e-6 * 32 * 1000, rel=1e-6)
+    eight = StepTable(cal, devices=2, scale=2.0)  # projection: the fit at 2 devices, times doubled
+    assert eight.seconds("dp", 4, 100)[0] == pytest.approx(2 * (0.02 + 4e-4 + 2e-6 * 2 * 100), rel=1e-6)
+
+
+def test_calibration_file_round_trip_and_engine_loading(engine, tmp_path):
+    cal = synthetic(FAST | {"cp": 0.001})
+    path = cal.save(tmp_path / "cal.json")
+    assert Calibration.load(path) == cal
+    model = CostModel(engine, PolicyConfig(calibration=str(path)))
+    assert model.kind.startswith("calibrated")
+    assert model.step_seconds(LAYOUTS["cp"], Load(4, 400, 100)) < model.step_seconds(LAYOUTS["tp"], Load(4, 400, 100))
