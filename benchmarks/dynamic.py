@@ -104,7 +104,8 @@ def build_engine(config: EngineConfig, bench: BenchConfig) -> Engine:
             for b in ex.buckets(layout):
                 for moving in ((False, True) if ex.move_pages else (False,)):
                     ex.compiled(layout, b, moving, False)
-    log.info("engine ready in %.1fs (%d programs)", time.perf_counter() - t0, engine.executor.num_compiled)
+    log.info("engine ready in %.1fs (%d programs); token capacity per layout: %s", time.perf_counter() - t0,
+             engine.executor.num_compiled, {k: v["tokens"] for k, v in engine.capacities().items()})
     return engine
 
 
