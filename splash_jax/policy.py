@@ -245,6 +245,14 @@ class TransitionAwarePolicy:
         self._keep(record | {"action": "stay", "reason": f"saving {saving:.4g}s does not repay switch {move:.4g}s x {1 + c.min_gain:g}"})
         return None
 
+    def switch_refused(self, reason: str) -> None:
+        """The controller refused the switch just decided (e.g. the destination cannot hold the
+        requests): the decision is marked, and the cooldown still applies so it is not retried
+        every interval."""
+        if self.decisions:
+            self.decisions[-1] |= {"action": "refused", "refused_reason": reason}
+        log.info("policy: switch refused: %s", reason)
+
     def _keep(self, record: dict) -> None:
         self.recent.append(record)
         log.debug("policy at step %d: %s (%s)", record["step"], record["action"], record["reason"])

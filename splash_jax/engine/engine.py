@@ -233,7 +233,9 @@ class Engine:
             if self.policy and self.switcher.active is None and self.num_steps % self.config.policy.interval_steps == 0:
                 dst = self.policy.decide(self.num_steps)
                 if dst is not None:
-                    self.switcher.start(dst)
+                    handle = self.switcher.start(dst)
+                    if handle.state.value == "refused":
+                        self.policy.switch_refused(handle.reason)
         chunks = self.scheduler.schedule().chunks
         dispatched = self._dispatch(chunks) if chunks else None
         if self.config.overlap_scheduling:
@@ -424,6 +426,7 @@ class Engine:
             "switch": self.switcher.active[0].as_dict() if self.switcher and self.switcher.active else None,
             "switches": len([h for h in self.switcher.history if h.state.value == "done"]) if self.switcher else 0,
             "switch_metrics": self.switcher.metrics() if self.switcher else None,
+            "policy": self.policy.summary() if self.policy else None,
             "num_devices": self.n,
             "overlap_scheduling": self.config.overlap_scheduling,
             "step_failures": self.num_step_failures,
