@@ -284,6 +284,9 @@ class SwitchController:
     def _handoff(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
         engine, t0 = self.engine, time.perf_counter()
         sched, src, dst = engine.scheduler, plan.src, plan.dst
+        # With overlapped scheduling a step may still be running on the device; the handoff deletes
+        # buffers it uses (resharded weight leaves, the extra segment), so wait for it first.
+        jax.block_until_ready((engine.executor.pool, engine.executor.params))
         load = Counter(p.owner for p in plan.requests.values())
         # 1. Extend plans to every page holding data (and plan requests admitted meanwhile).
         for r in sorted(sched.running, key=lambda r: r.order):
