@@ -227,7 +227,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the step that completed."""
-        outputs, self._failed = self._failed, []
+        outputs = []
         if self.switcher is not None:
             self.switcher.before_step()  # batch boundary: a finished migration hands off here
             if self.policy and self.switcher.active is None and self.num_steps % self.config.policy.interval_steps == 0:

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from splash_jax.attention.layouts import ShardedContext
 from splash_jax.engine.penalties import PenaltyState, update_history
-from splash_jax.engine.sampler import SampleOutput, SamplerWidths, sample
+from splash_jax.engine.sampler import SamplerWidths, sample
 from splash_jax.engine.step_packer import StepShape, unpack_step
 from splash_jax.kv.cache import KVCache, StepInput
 from splash_jax.mesh.layouts import AXIS, Layout
@@ -305,7 +305,8 @@ class StepExecutor:
 
     def reset_device_state(self) -> None:
         """After a failed step the donated pool may be gone: start from an empty pool (callers recompute)."""
-        fresh = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_abstract(self.layout))
-        self.kv = jax.tree.map(lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)(), fresh)
+        self.kv = jax.tree.map(
+            lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)(), self.kv_abstract(self.layout)
+        )
         self.penalties = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self.replicated), self.penalties)
         self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
