@@ -3,10 +3,19 @@
 Experts are stacked [E, ...] so one sharding rule ("shard the expert axis") places them.
 Experts may be sharded over devices (each holds a contiguous range); ids outside the local
 range get weight 0 and the caller sums the partial results.
-Two exact expert paths, picked statically by the step's token count: with very few tokens
-(4 * tokens * top_k <= experts) only the chosen experts' weights are gathered and read; otherwise
-every expert runs over every token with a sparse combine weight, which is what a
-weight-read-bound step pays anyway once the batch touches most experts.
+The routed experts have several exact implementations, picked in Python from static shapes and
+the backend by `resolve_moe_impl` (like `attention/dispatch.py`; the model's `moe_impl` option):
+
+  "xla"      the XLA reference, itself two paths by token count: with very few tokens
+             (4 * tokens * top_k <= experts) only the chosen experts' weights are gathered
+             ("gathered"); otherwise every expert runs over every token with a sparse combine
+             weight ("dense"). Any backend; the reference for the others.
+  "pallas"   GPU: `pallas_kernels.moe_grouped`, (token, k) pairs grouped into expert tiles, a
+             Triton grouped GEMM that reads each routed expert once (gate/up + SiLU + weight
+             fused, then down); other devices' pairs cost nothing. CPU: interpret mode (tests).
+  "ragged"   the same grouping through XLA's `lax.ragged_dot_general` (any backend).
+  "mgpu"     the grouping through jax's Mosaic GPU `ragged_dot_mgpu` (Hopper only).
+  "auto"     GPU -> the measured winner per token count (MOE_AUTO_GPU); elsewhere "xla".
 """
 
 from __future__ import annotations
@@ -17,6 +26,86 @@ from flax import nnx
 
 from splash_jax.layers import MLP, init_param
 from splash_jax.model_config import ModelConfig
+
+MOE_IMPLS = ("auto", "xla", "gathered", "dense", "pallas", "ragged", "mgpu")
+# GPU winner for "auto" by tokens per step: (max tokens, impl), first match wins. From
+# benchmarks/moe.py on an H200 (V2-Lite and V3-width layers, 1-512 tokens, 1 and 2 GPUs).
+MOE_AUTO_GPU = ((1 << 30, "pallas"),)
+
+
+def resolve_moe_impl(impl: str, backend: str, num_tokens: int, top_k: int, num_local: int,
+                     hidden: int, inter: int) -> str:
+    """The concrete routed-expert path for static shapes on `backend`; unknown names fail.
+
+    "xla" resolves to "gathered" or "dense" by the token count, so the result is always the path
+    that runs. "auto" picks the Pallas grouped kernel on GPU for shapes it takes, else XLA.
+    """
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"unknown MoE implementation {impl!r}; choose from {MOE_IMPLS}")
+    if impl == "auto":
+        impl = "xla"
+        if backend == "gpu":
+            from pallas_kernels.moe_grouped import supports
+
+            if supports(hidden, inter):
+                impl = next(name for limit, name in MOE_AUTO_GPU if num_tokens <= limit)
+    if impl == "xla":
+        impl = "gathered" if 4 * num_tokens * top_k <= num_local else "dense"
+    return impl
+
+
+def sort_pairs(ids: jax.Array, num_local: int):
+    """(token, k) pairs sorted by local expert, other devices' pairs last and in no group.
+
+    Returns (order [P] pair index per sorted row, group_sizes [E] int32)."""
+    flat = ids.reshape(-1)
+    key = jnp.where((flat >= 0) & (flat < num_local), flat, num_local)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.zeros(num_local + 1, jnp.int32).at[key].add(1)[:num_local]
+    return order, sizes
+
+
+def _unsort(y, order, ids, num_local, num_tokens, top_k):
+    """Rows of sorted pairs back to tokens; rows outside every group are masked (never summed)."""
+    flat = ids.reshape(-1)
+    valid = ((flat >= 0) & (flat < num_local))[order]
+    y = jnp.where(valid[:, None], y.astype(jnp.float32), 0.0)
+    return jnp.zeros((num_tokens, y.shape[1]), jnp.float32).at[order // top_k].add(y)
+
+
+def ragged_routed(x, ids, weights, gate, up, down):
+    """Grouped GEMM by XLA's ragged dot; gate/up/down read in their stored [E, I, D] layout."""
+    t, k = ids.shape
+    num_local = gate.shape[0]
+    order, sizes = sort_pairs(ids, num_local)
+    xs = x[order // k].astype(gate.dtype)
+    nt = jax.lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), [0], [0])
+    nn = jax.lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), [0], [0])
+    g = jax.lax.ragged_dot_general(xs, gate, sizes, nt, preferred_element_type=jnp.float32)
+    u = jax.lax.ragged_dot_general(xs, up, sizes, nt, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u * weights.reshape(-1)[order][:, None].astype(jnp.float32)).astype(gate.dtype)
+    y = jax.lax.ragged_dot_general(h, down, sizes, nn, preferred_element_type=jnp.float32)
+    return _unsort(y, order, ids, num_local, t, k).astype(x.dtype)
+
+
+def mgpu_routed(x, ids, weights, gate, up, down, block_m=64, block_n=128, block_k=64, steps=4):
+    """Grouped GEMM by jax's Mosaic GPU `ragged_dot_mgpu` (Hopper). Rows of other devices'
+    pairs lie past every group: the kernel never stores them and `_unsort` masks them."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    t, k = ids.shape
+    num_local = gate.shape[0]
+    order, sizes = sort_pairs(ids, num_local)
+    xs = x[order // k].astype(gate.dtype)
+    rd = lambda a, b, n, tr: ragged_dot_mgpu.ragged_dot(  # noqa: E731
+        a, b, group_sizes=sizes, block_m=block_m, block_n=min(block_n, n), block_k=block_k,
+        max_concurrent_steps=steps, grid_block_n=1, transpose_rhs=tr)
+    inter, dim = gate.shape[1], gate.shape[2]
+    g = rd(xs, gate, inter, True).astype(jnp.float32)
+    u = rd(xs, up, inter, True).astype(jnp.float32)
+    h = (jax.nn.silu(g) * u * weights.reshape(-1)[order][:, None]).astype(gate.dtype)
+    y = rd(h, down, dim, False)
+    return _unsort(y, order, ids, num_local, t, k).astype(x.dtype)
 
 
 def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -67,25 +156,39 @@ class MoE(nnx.Module):
         if cfg.n_shared_experts:
             self.shared = MLP(d, cfg.arrays.shared_intermediate_size, dtype, rngs)
 
-    def __call__(self, x, expert_offset=None):
+    def __call__(self, x, expert_offset=None, impl: str = "auto"):
         """Routed + shared experts. With experts sharded, `expert_offset(num_local)` gives this
-        device's first expert id and the result is this device's partial sum."""
+        device's first expert id and the result is this device's partial sum. `impl` picks the
+        routed-expert path (module doc); the shared experts stay an XLA MLP (dense GEMMs that
+        already run at HBM bandwidth; benchmarks/moe.py measures them)."""
         cfg = self.cfg
         num_local = self.experts_gate.shape[0]
         offset = expert_offset(num_local) if expert_offset else 0
         logits = jnp.dot(x.astype(jnp.float32), self.router[...])
         bias = self.router_bias[...] if cfg.topk_method == "noaux_tc" else None
         ids, weights = route(cfg, logits, bias)
-        local = ids - offset
-        weights = jnp.where((local >= 0) & (local < num_local), weights, 0.0)
-        local = jnp.clip(local, 0, num_local - 1)
-        if 4 * x.shape[0] * cfg.num_experts_per_tok <= num_local:
-            out = self._gathered(x, local, weights)
-        else:
-            out = self._dense(x, local, weights)
+        out = self.routed(x, ids - offset, weights, impl)
         if cfg.n_shared_experts:
             out = out + self.shared(x)
         return out
+
+    def routed(self, x, local, weights, impl: str = "auto"):
+        """Routed experts for local ids [T,k] (outside [0, num_local): another device's expert)."""
+        num_local, inter, dim = self.experts_gate.shape
+        backend = jax.default_backend()
+        impl = resolve_moe_impl(impl, backend, x.shape[0], local.shape[1], num_local, dim, inter)
+        experts = (self.experts_gate[...], self.experts_up[...], self.experts_down[...])
+        if impl == "pallas":
+            from pallas_kernels.moe_grouped import routed_experts
+
+            return routed_experts(x, local, weights, *experts, interpret=backend != "gpu")
+        if impl == "ragged":
+            return ragged_routed(x, local, weights, *experts)
+        if impl == "mgpu":
+            return mgpu_routed(x, local, weights, *experts)
+        weights = jnp.where((local >= 0) & (local < num_local), weights, 0.0)
+        local = jnp.clip(local, 0, num_local - 1)
+        return self._gathered(x, local, weights) if impl == "gathered" else self._dense(x, local, weights)
 
     def _gathered(self, x, ids, weights):
         """Few tokens: read only the chosen experts' weights (decode at small batch is weight-read bound)."""

@@ -1,4 +1,5 @@
-"""The two expert paths (gathered for few tokens, dense for many) compute the same function."""
+"""Every routed-expert path (XLA gathered/dense, Pallas grouped in interpret mode, ragged dot)
+computes the same function, also with experts sharded over devices; the routers match transformers."""
 
 from pathlib import Path
 
@@ -7,34 +8,42 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from splash_jax.model import RuntimeOptions
-from splash_jax.moe import route
-from splash_jax.weights.loader import load_model
+from flax import nnx
+
+from splash_jax.model_config import ModelConfig
+from splash_jax.moe import MOE_IMPLS, MoE, resolve_moe_impl, route
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def _moe(name):
+    """One MoE layer of a fixture's config with random weights (router bias too: no near-ties)."""
+    cfg = ModelConfig.from_json(FIXTURES / name / "config.json")
+    moe = MoE(cfg, jnp.float32, nnx.Rngs(0))
+    if cfg.topk_method == "noaux_tc":
+        moe.router_bias[...] = jax.random.normal(jax.random.key(1), moe.router_bias.shape) * 0.1
+    return cfg, moe
+
+
 @pytest.mark.parametrize("name", ["v3_tiny", "v2lite_tiny"])
 def test_gathered_and_dense_expert_paths_agree(name):
-    model = load_model(FIXTURES / name, RuntimeOptions(dtype="float32"))
-    moe = model.layers[1].mlp
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, model.cfg.hidden_size)).astype(np.float32))
+    cfg, moe = _moe(name)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, cfg.hidden_size)).astype(np.float32))
     logits = jnp.dot(x, moe.router[...])
-    bias = moe.router_bias[...] if model.cfg.topk_method == "noaux_tc" else None
-    ids, w = route(model.cfg, logits, bias)
+    bias = moe.router_bias[...] if cfg.topk_method == "noaux_tc" else None
+    ids, w = route(cfg, logits, bias)
     a, b = moe._gathered(x, ids, w), moe._dense(x, ids, w)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     # The public call picks the gathered path here (4 * 1 token * top-2 <= 8 experts).
     x = x[:1]
     ids, w = ids[:1], w[:1]
     b = moe._dense(x, ids, w)
-    assert 4 * model.cfg.num_experts_per_tok <= model.cfg.n_routed_experts
+    assert 4 * cfg.num_experts_per_tok <= cfg.n_routed_experts
     np.testing.assert_allclose(np.asarray(moe(x)), np.asarray(b + moe.shared(x)), rtol=1e-5, atol=1e-6)
 
 
 def test_v3_routing_respects_groups():
-    model = load_model(FIXTURES / "v3_tiny", RuntimeOptions(dtype="float32"))
-    cfg = model.cfg
+    cfg, _ = _moe("v3_tiny")
     logits = jax.random.normal(jax.random.key(0), (64, cfg.n_routed_experts))
     ids, w = route(cfg, logits, jnp.zeros(cfg.n_routed_experts))
     groups = np.asarray(ids) // (cfg.n_routed_experts // cfg.n_group)
@@ -87,3 +96,100 @@ def test_v2_group_limited_routing_reads_masked_scores_and_ignores_norm_topk_prob
         best = allowed[np.argsort(-p[t, allowed])[:3]]
         assert sorted(np.asarray(ids)[t].tolist()) == sorted(best.tolist())
         np.testing.assert_allclose(sorted(np.asarray(w)[t]), sorted(p[t, best] * cfg.routed_scaling_factor), rtol=1e-5)
+
+
+def _numpy_routed(x, ids, w, gate, up, down):
+    """Independent reference: a float64 loop over (token, k) pairs; ids outside [0, E) skipped."""
+    out = np.zeros(x.shape, np.float64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if 0 <= e < gate.shape[0]:
+                a, b = gate[e] @ x[t], up[e] @ x[t]
+                out[t] += (a / (1 + np.exp(-a)) * b * w[t, j]) @ down[e]
+    return out
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (5, 3), (16, 4), (40, 3)])
+def test_pallas_grouped_kernel_matches_numpy_loop(tokens, top_k):
+    """Non-local ids (< 0, >= E) contribute nothing; duplicates and >16 rows per expert tile."""
+    from pallas_kernels.moe_grouped import routed_experts
+
+    rng = np.random.default_rng(tokens)
+    e, i, d = 8, 32, 64
+    x = rng.standard_normal((tokens, d)).astype(np.float32)
+    ids = rng.integers(-3, e + 2, (tokens, top_k)).astype(np.int32)
+    w = rng.random((tokens, top_k)).astype(np.float32)
+    gate, up, down = [(rng.standard_normal((e, i, d)) * 0.1).astype(np.float32) for _ in range(3)]
+    out = routed_experts(*map(jnp.asarray, (x, ids, w, gate, up, down)), interpret=True)
+    np.testing.assert_allclose(np.asarray(out), _numpy_routed(x, ids, w, gate, up, down), rtol=1e-5, atol=1e-5)
+
+
+def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert():
+    from pallas_kernels.moe_grouped import num_tiles, plan_tiles
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-2, 10, (24, 3)).astype(np.int32)
+    plan = plan_tiles(jnp.asarray(ids), jnp.ones(ids.shape), 8, 16)
+    nt, slot = num_tiles(72, 8, 16), np.asarray(plan.pair_slot)
+    local = (ids >= 0) & (ids < 8)
+    assert np.all(slot[~local] == nt * 16) and len(set(slot[local].tolist())) == local.sum()
+    assert np.all(np.asarray(plan.tile_expert)[slot[local] // 16] == ids[local])
+    assert np.asarray(plan.tile_live).sum() == sum(-(-np.sum(ids == e) // 16) for e in range(8))
+
+
+@pytest.mark.parametrize("name", ["v3_tiny", "v2lite_tiny"])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_all_routed_paths_agree_with_an_expert_offset(name, tokens):
+    """Every impl on this backend == the numpy loop, for ids shifted as on a device owning experts 2..9."""
+    cfg, moe = _moe(name)
+    rng = np.random.default_rng(tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)).astype(np.float32))
+    ids, w = route(cfg, jnp.dot(x, moe.router[...]), moe.router_bias[...] if name == "v3_tiny" else None)
+    local = ids - 2
+    ref = _numpy_routed(*(np.asarray(a, np.float64) if a.dtype != jnp.int32 else np.asarray(a) for a in
+                          (x, local, w, moe.experts_gate[...], moe.experts_up[...], moe.experts_down[...])))
+    for impl in ("xla", "gathered", "dense", "pallas", "ragged"):
+        out = moe.routed(x, local, w, impl)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6, err_msg=impl)
+
+
+def test_pallas_path_under_expert_sharded_shard_map():
+    """The model's contract: experts sharded over 8 devices (one each), each device's partial from
+    `moe(x, expert_offset)`, psum over devices == the unsharded XLA MoE."""
+    from functools import partial
+
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    cfg, moe = _moe("v3_tiny")
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((5, cfg.hidden_size)).astype(np.float32))
+    want = moe(x, impl="xla")
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    graph, state = nnx.split(moe)
+    experts = {"experts_gate", "experts_up", "experts_down"}
+    specs = jax.tree_util.tree_map_with_path(
+        lambda path, _: P("d") if any(getattr(k, "key", None) in experts for k in path) else P(), state)
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False)
+    def step(state, x):
+        local = nnx.merge(graph, state)
+        offset = lambda n: jax.lax.axis_index("d") * n  # noqa: E731
+        part = local(x, offset, impl="pallas") - local.shared(x)  # the shared MLP once, below
+        return jax.lax.psum(part, "d") + local.shared(x)
+
+    place = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+    state = jax.device_put(state, jax.tree_util.tree_map(place, specs))
+    got = jax.jit(step)(state, jax.device_put(x, place(P())))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_resolve_moe_impl():
+    assert resolve_moe_impl("auto", "cpu", 1, 8, 256, 7168, 2048) == "gathered"
+    assert resolve_moe_impl("auto", "cpu", 128, 8, 256, 7168, 2048) == "dense"
+    assert resolve_moe_impl("auto", "tpu", 1, 6, 64, 2048, 1408) == "gathered"
+    assert resolve_moe_impl("auto", "gpu", 1, 6, 64, 2048, 1408) in MOE_IMPLS
+    assert resolve_moe_impl("auto", "gpu", 1, 6, 64, 2048, 1400) == "gathered"  # I not a multiple of 16
+    assert resolve_moe_impl("ragged", "cpu", 1, 6, 64, 2048, 1408) == "ragged"
+    with pytest.raises(ValueError):
+        resolve_moe_impl("fused", "gpu", 1, 6, 64, 2048, 1408)
