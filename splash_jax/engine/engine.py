@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from splash_jax import distributed
 from splash_jax.engine.config import EngineConfig
 from splash_jax.engine.executor import StepExecutor, StepResult
 from splash_jax.engine.output_processor import OutputProcessor
@@ -104,10 +105,12 @@ class Engine:
         self.page_bytes = bytes_per_page(cfg, config.page_size, dtype)
         self.head_sharded_bytes = head_sharded_weight_bytes(self.model)
         self.extra_pages = extra_pages_per_device(self.head_sharded_bytes, self.n, self.page_bytes)
-        budget = kv_budget_bytes(devices[0], config.kv_memory_gb, config.kv_memory_fraction)
+        local = next(d for d in devices if d.process_index == jax.process_index())  # memory stats are local
+        budget = kv_budget_bytes(local, config.kv_memory_gb, config.kv_memory_fraction)
         if config.kv_memory_gb is None and self.layout.heads_sharded:
             budget -= self.extra_pages * self.page_bytes  # free memory already includes the freed weights
         per_device = pages_per_device(cfg, config.page_size, dtype, budget, config.max_pages)
+        per_device = distributed.agree_min("kv_pages_per_device", per_device)  # one pool shape on every host
         pool_tokens = per_device * config.page_size
         if self.max_model_len > pool_tokens:
             log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping", self.max_model_len, pool_tokens)
@@ -163,6 +166,7 @@ class Engine:
         self._failed: list[RequestOutput] = []
         self.num_steps = 0
         self.num_step_failures = 0
+        distributed.attach(self)  # multi-process: process 0 streams its device calls to the others
 
     # --- requests ------------------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
