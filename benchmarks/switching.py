@@ -80,6 +80,7 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--kv-memory-gb", type=float, default=0.05)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--compile-threads", type=int, default=1, help="ahead-of-time compiles in parallel")
     parser.add_argument("--pairs", default="", help="comma-separated src-dst pairs (default: all 12)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,7 +94,7 @@ def main(argv=None):
         model=model, load_format="dummy" if model else "auto", layout="tp", num_devices=args.devices,
         page_size=args.page_size, kv_memory_gb=args.kv_memory_gb, max_model_len=args.context + 1024,
         max_num_seqs=args.batch, max_num_batched_tokens=max(args.batch, 8), enable_switching=True,
-        switch_chunk_pages=args.chunk_pages, compile_cache_dir=None, dtype=args.dtype,
+        switch_chunk_pages=args.chunk_pages, compile_cache_dir=None, dtype=args.dtype, compile_threads=args.compile_threads,
         min_token_bucket=max(args.batch, 8),  # decode-only workload: one bucket per layout is enough
     ))
     log.info("engine ready in %.1fs (%d programs)", time.perf_counter() - t0, engine.executor.num_compiled)

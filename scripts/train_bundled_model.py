@@ -25,7 +25,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import importlib.metadata
 import math
+import random
 import sysconfig
 import time
 from pathlib import Path
@@ -67,15 +69,66 @@ def architecture(vocab: int) -> ModelConfig:
 
 
 # --- data -----------------------------------------------------------------------------------
-def stdlib_files(limit: int | None) -> tuple[list[Path], list[Path]]:
-    """(train, held-out) source files of this Python's standard library, test suites excluded."""
+# Licenses whose terms allow redistributing a model trained on the code (with attribution).
+PERMISSIVE = ("apache", "bsd", "mit", "psf", "python software foundation")
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "encodings", "pydoc_data", "idle_test"}
+
+
+def stdlib_files() -> list[Path]:
+    """The `.py` files of this Python's standard library (test suites included: they are code too)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    # Test suites, codec tables and the pydoc topic dump are data more than code.
-    skip = {"test", "tests", "site-packages", "idle_test", "__pycache__", "encodings", "pydoc_data"}
-    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    return sorted(p for p in root.rglob("*.py") if not SKIP_DIRS & set(p.relative_to(root).parts))
+
+
+def package_license(dist) -> str:
+    """The license a package declares: its SPDX expression, else its classifiers, else the first
+    line of its License field."""
+    meta = dist.metadata
+    if meta.get("License-Expression"):
+        return meta["License-Expression"]
+    classifiers = [c.split("::")[-1].strip() for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
+    if classifiers:
+        return ", ".join(classifiers)
+    return (meta.get("License") or "").strip().splitlines()[0][:80] if meta.get("License") else ""
+
+
+def package_files() -> list[tuple[Path, str, str]]:
+    """`.py` files of the installed packages whose metadata names a permissive license
+    (the machine's own dependencies: jax, numpy, flax, ...), as (path, package, license)."""
+    files = []
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
+        lic = package_license(dist)
+        if not any(k in lic.lower() for k in PERMISSIVE) or not dist.files:
+            continue
+        own = [Path(dist.locate_file(f)) for f in dist.files if str(f).endswith(".py")]
+        own = [p for p in own if p.is_file() and "__pycache__" not in p.parts]
+        files += [(p, f"{dist.metadata['Name']} {dist.version}", lic) for p in own]
+    return files
+    return sorted(set(files)), used
+
+
+def corpus_files(sources: str, limit: int | None, max_mb: float) -> tuple[list[Path], list[Path], dict]:
+    """(train, held-out, provenance): every HELD_OUT_EVERY-th file is held out; at most max_mb of text."""
+    files = []
+    if "stdlib" in sources:
+        files += [(p, f"Python {sysconfig.get_python_version()} standard library", "PSF-2.0") for p in stdlib_files()]
+    if "packages" in sources:
+        files += package_files()
+    files = sorted(set(files))
     files = files[:limit] if limit else files
-    held = files[::HELD_OUT_EVERY]
-    return [f for f in files if f not in set(held)], held
+    random.Random(0).shuffle(files)  # the size cap then samples every source, not the first ones
+    kept, total, licenses = [], 0, {}
+    for f, source, lic in files:
+        size = f.stat().st_size
+        if total + size > max_mb * 2**20:
+            continue
+        kept.append(f)
+        licenses[source] = lic
+        total += size
+    licenses = dict(sorted(licenses.items()))
+    held = kept[::HELD_OUT_EVERY]
+    held_set = set(held)
+    return [f for f in kept if f not in held_set], held, licenses
 
 
 def read_texts(files: list[Path]) -> list[str]:
@@ -219,6 +272,7 @@ def train(model: DeepseekForCausalLM, train_ids, held_ids, tc: TrainConfig, seed
 
 
 def model_card(cfg: ModelConfig, stats: dict, data: dict, tc: TrainConfig, params: int) -> str:
+    licenses = "\n".join(f"  - {name}: {lic}" for name, lic in data["licenses"].items())
     return f"""# splash-tiny
 
 A small language model of the DeepSeek-V3 architecture, trained by `scripts/train_bundled_model.py`
@@ -230,12 +284,12 @@ with splash-jax's own model code, so `python -m serve.main` completes Python cod
   {cfg.n_routed_experts} routed experts (top-{cfg.num_experts_per_tok}, sigmoid noaux_tc, {cfg.n_group} groups)
   + {cfg.n_shared_experts} shared.
 - Tokenizer: byte-level BPE, {cfg.vocab_size} tokens, trained on the training files.
-- Data: the `.py` files of the Python {data['python']} standard library (test suites, `encodings/`
-  and `pydoc_data/` excluded):
-  {data['train_files']} files / {data['train_tokens']:,} tokens for training, every {HELD_OUT_EVERY}th file
-  ({data['held_files']} files / {data['held_tokens']:,} tokens) held out.
-- License of the data: Python Software Foundation License (PSF-2.0); the weights are derived from it
-  and distributed under the same terms.
+- Data: `.py` source files (Python {data['python']} standard library, and the installed packages whose
+  metadata names a permissive license; list below): {data['train_files']} files / {data['train_tokens']:,}
+  tokens for training, every {HELD_OUT_EVERY}th file ({data['held_files']} files / {data['held_tokens']:,} tokens)
+  held out.
+- Licenses of the data (the weights are derived from these sources; keep their notices):
+{licenses}
 - Training: {stats['steps']} steps of batch {tc.batch} x {tc.seq} tokens ({stats['tokens_seen']:,} tokens,
   {stats['seconds'] / 60:.1f} min on {data['device']}), AdamW (peak lr {tc.lr}, warm-up {tc.warmup}, cosine),
   auxiliary balance loss {tc.aux_weight}; the parameters of step {stats['kept_step']} are kept (lowest
@@ -261,11 +315,14 @@ def main(argv=None):
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--files", type=int, default=None, help="use only the first N files (smoke tests)")
+    parser.add_argument("--sources", default="stdlib,packages",
+                        help="stdlib and/or packages (installed packages under permissive licenses)")
+    parser.add_argument("--max-corpus-mb", type=float, default=150.0, help="cap on the corpus text")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    train_files, held_files = stdlib_files(args.files)
+    train_files, held_files, licenses = corpus_files(args.sources, args.files, args.max_corpus_mb)
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
     tok = train_tokenizer(train_texts, args.vocab)
     for i, s in enumerate(SPECIAL):
@@ -290,7 +347,8 @@ def main(argv=None):
     }, indent=2))
     params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
     data = {"python": sysconfig.get_python_version(), "train_files": len(train_files), "held_files": len(held_files),
-            "train_tokens": len(train_ids), "held_tokens": len(held_ids), "device": jax.devices()[0].device_kind}
+            "train_tokens": len(train_ids), "held_tokens": len(held_ids), "device": jax.devices()[0].device_kind,
+            "licenses": licenses}
     (args.out / "README.md").write_text(model_card(cfg, stats, data, tc, params))
     (args.out / "training.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "stats": stats, "data": data, "params": params}, indent=2))
