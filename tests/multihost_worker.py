@@ -76,6 +76,7 @@ def main(argv=None) -> None:
     p.add_argument("--long", type=int, default=1, help="scale max_tokens (the kill test runs long)")
     p.add_argument("--ready-file", default="", help="written after 5 steps (the kill test waits for it)")
     p.add_argument("--peer-timeout-s", type=float, default=10.0)
+    p.add_argument("--save-snapshot", default="", help="every process saves the loaded weights here (Orbax), then stops")
     args = p.parse_args(argv)
     devices = 8 // args.num_processes
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -93,6 +94,15 @@ def main(argv=None) -> None:
     config = runtime.share_config(config)
     t0 = time.perf_counter()
     engine = Engine(config)
+    if args.save_snapshot:  # a collective save: every process writes the shards it holds
+        from splash_jax.weights.snapshot import save_snapshot
+
+        save_snapshot(engine.model, args.save_snapshot)
+        if runtime.is_leader:
+            runtime.shutdown()
+        else:
+            distributed.follow(engine, runtime)
+        return
     if not runtime.is_leader:
         distributed.follow(engine, runtime)
         return

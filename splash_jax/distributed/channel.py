@@ -128,12 +128,12 @@ class LeaderChannel:
         """Tell every follower to stop, then close the connections."""
         if self._closing:
             return
+        self._closing = True  # before `stop`: the followers' closing connections are expected now
+        self._heartbeat.stopped.set()
         try:
             self._send_all(Command("stop"))
         except OSError:
             pass
-        self._closing = True
-        self._heartbeat.stopped.set()
         for sock in self._peers.values():
             try:
                 sock.shutdown(socket.SHUT_WR)

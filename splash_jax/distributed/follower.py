@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from splash_jax.distributed.channel import PeerLost, exit_on_failure
-from splash_jax.distributed.leader import MirrorError
+from splash_jax.distributed.leader import MirrorError, global_step_inputs
 from splash_jax.distributed.wire import Command
 from splash_jax.engine.executor import Bucket
 from splash_jax.mesh.layouts import get_layout
@@ -62,7 +62,8 @@ class Follower:
         self.latency_s.append(time.time() - cmd.fields["t"])
         a = cmd.arrays
         try:
-            self.ex.run(Bucket(**cmd.fields["bucket"]), a["rep"], a["dev"], a["move"], cmd.fields["full"])
+            inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"])
+            self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"])
         except Exception as e:  # noqa: BLE001 - process 0 sees the same failure and sends `reset`
             log.warning("mirrored step failed (%s: %s); waiting for process 0's recovery", type(e).__name__, e)
 

@@ -27,6 +27,20 @@ class MirrorError(RuntimeError):
     """A device call that the followers cannot mirror: the multi-process wrapper needs a hook for it."""
 
 
+def global_step_inputs(ex, rep, dev, move):
+    """A step's host buffers as global arrays, each process filling its own shards from its copy.
+
+    jax.device_put of a numpy array onto a multi-process sharding first checks that every process
+    passed the same value: a blocking cross-process all-gather per input (7 ms per step on 2 x 4 CPU
+    devices, vs 0.06 ms this way). The executor's own device_put returns these arrays unchanged.
+    """
+
+    def put(x, sharding):
+        return None if x is None else jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+    return put(rep, ex.replicated), put(dev, ex.per_device), put(move, ex.per_device)
+
+
 def spec_to_json(spec) -> list:
     return [list(d) if isinstance(d, tuple) else d for d in spec]
 
@@ -73,7 +87,7 @@ class LeaderExecutor:
             "step", {"bucket": dataclasses.asdict(bucket), "full": bool(full), "t": time.time()},
             {"rep": rep, "dev": dev, "move": move},
         ))
-        return self._inner.run(bucket, rep, dev, move, full)
+        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full)
 
     def reset_device_state(self) -> None:
         self._channel.send(Command("reset"))

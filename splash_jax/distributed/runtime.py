@@ -56,10 +56,7 @@ class Runtime:
     def shutdown(self) -> None:
         """Process 0: stop the followers. Every process: leave jax.distributed."""
         global _RUNTIME
-        if self.is_leader:
-            self.channel.close()
-        else:
-            self.channel.close()
+        self.channel.close()  # process 0: sends `stop` first
         jax.distributed.shutdown()
         _RUNTIME = None
 
@@ -97,6 +94,7 @@ def initialize(config: DistributedConfig, on_failure=exit_on_failure) -> Runtime
         channel = LeaderChannel(followers, config.command_port, config.peer_timeout_s, on_failure)
         client.key_value_set(PORT_KEY, str(channel.port))
         channel.accept(config.init_timeout_s)
+        port = channel.port
     else:
         port = int(client.blocking_key_value_get(PORT_KEY, config.init_timeout_s * 1000))
         host = config.coordinator_address.rsplit(":", 1)[0].strip("[]")
@@ -104,7 +102,7 @@ def initialize(config: DistributedConfig, on_failure=exit_on_failure) -> Runtime
     _RUNTIME = Runtime(config, config.process_id, config.num_processes, channel)
     log.info(
         "process %d of %d joined: %d local / %d global devices, command channel on port %d",
-        config.process_id, config.num_processes, jax.local_device_count(), jax.device_count(), port if config.process_id else channel.port,
+        config.process_id, config.num_processes, jax.local_device_count(), jax.device_count(), port,
     )
     return _RUNTIME
 
