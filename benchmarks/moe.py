@@ -63,10 +63,16 @@ def pallas_routed(config=None):
     return lambda x, ids, w, g, u, d: routed_experts(x, ids, w, g, u, d, config=config)
 
 
+def nothing(x, ids, w, gate, up, down):
+    """The loop (and, sharded, the psum) alone: what every path pays per layer in this harness."""
+    return jnp.zeros_like(x)
+
+
 def paths(tokens: int):
     from pallas_kernels.moe_grouped import Config
 
-    out = {"xla": xla_routed, "pallas": pallas_routed(), "ragged": ragged_routed, "mgpu": mgpu_routed}
+    out = {"xla": xla_routed, "pallas": pallas_routed(), "ragged": ragged_routed, "mgpu": mgpu_routed,
+           "loop_only": nothing}
     if tokens <= 32:  # small batches: more, smaller programs; and longer loads
         out["pallas_bi32"] = pallas_routed(Config(gu_block_i=32, dn_block_d=32))
         out["pallas_bd256"] = pallas_routed(Config(gu_block_d=256, dn_block_i=256, num_stages=4))
@@ -154,7 +160,7 @@ def make_cases(args, key, mesh):
                 if args.paths and name not in args.paths.split(","):
                     continue
                 cases.append(Case(shape, 1, t, name, looped(fn), (*data, *weights), iters, uniq * expert_bytes))
-                if sharded is not None and (name in ("xla", "pallas", "mgpu")):
+                if sharded is not None and args.sharded_paths and name in args.sharded_paths.split(","):
                     rep = [jax.device_put(a, replicated) for a in data]
                     cases.append(Case(shape, mesh.size, t, name, looped(fn, mesh), (*rep, *sharded), iters,
                                       uniq * expert_bytes / mesh.size))
@@ -192,6 +198,9 @@ def main(argv=None):
     parser.add_argument("--tokens", default="1,8,32,128,512")
     parser.add_argument("--paths", default="", help="comma list; empty: all")
     parser.add_argument("--no-sharded", action="store_true")
+    parser.add_argument("--sharded-paths", default="xla,pallas,mgpu,loop_only")
+    parser.add_argument("--profile", default="", help="cases to trace, e.g. v3:8:pallas:1,v3:8:pallas:2 "
+                        "(shape:tokens:path:devices): GPU busy and top kernels per layer")
     parser.add_argument("--target-ms", type=float, default=20.0, help="aimed time per timed loop")
     parser.add_argument("--max-iters", type=int, default=200)
     parser.add_argument("--compile-threads", type=int, default=8)
@@ -244,6 +253,12 @@ def main(argv=None):
             row["ms"] = float(np.median(times[1:] if len(times) > 1 else times))
             row["x_ideal"] = row["ms"] / row["ideal_ms"]
             row["GB_per_s"] = c.ideal_bytes / row["ms"] / 1e6
+            if f"{c.shape}:{c.tokens}:{c.path}:{c.devices}" in args.profile.split(","):
+                from benchmarks.profiling import device_busy
+
+                prof = device_busy(lambda: jax.block_until_ready(loop(c.iters, *c.args)), 1, sync=lambda: None)
+                row["busy_ms"] = prof.busy_ms / c.iters if prof.busy_ms else None
+                row["top_kernels_us"] = [(name[:60], us / c.iters) for name, us in prof.top[:8]]
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
@@ -252,6 +267,9 @@ def main(argv=None):
     cols = ["shape", "devices", "tokens", "path", "ms", "ideal_ms", "x_ideal", "GB_per_s", "rel_err", "compile_s"]
     print(table(rows, cols))
     for r in rows:
+        if "top_kernels_us" in r:
+            print("PROFILE", r["shape"], r["devices"], r["tokens"], r["path"], "busy_ms", r["busy_ms"],
+                  [(n, round(us, 1)) for n, us in r["top_kernels_us"]])
         if "error" in r:
             print("ERROR", r["shape"], r["devices"], r["tokens"], r["path"], r["error"])
     if shared:

@@ -125,9 +125,12 @@ def test_pallas_grouped_kernel_matches_numpy_loop(tokens, top_k):
     np.testing.assert_allclose(np.asarray(out), _numpy_routed(x, ids, w, gate, up, down), rtol=1e-5, atol=1e-5)
 
 
-def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert():
+@pytest.mark.parametrize("small_pairs", [512, 0])  # compare-and-sum plan; sort plan
+def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert(small_pairs, monkeypatch):
+    from pallas_kernels import moe_grouped
     from pallas_kernels.moe_grouped import num_tiles, plan_tiles
 
+    monkeypatch.setattr(moe_grouped, "SMALL_PAIRS", small_pairs)
     rng = np.random.default_rng(3)
     ids = rng.integers(-2, 10, (24, 3)).astype(np.int32)
     plan = plan_tiles(jnp.asarray(ids), jnp.ones(ids.shape), 8, 16)
@@ -136,6 +139,15 @@ def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert():
     assert np.all(slot[~local] == nt * 16) and len(set(slot[local].tolist())) == local.sum()
     assert np.all(np.asarray(plan.tile_expert)[slot[local] // 16] == ids[local])
     assert np.asarray(plan.tile_live).sum() == sum(-(-np.sum(ids == e) // 16) for e in range(8))
+    np.testing.assert_array_equal(np.asarray(plan.slot_token)[slot[local]], np.nonzero(local)[0])
+
+
+def test_kernel_blocks_that_do_not_divide_are_shrunk():
+    """I = 1408 is not a multiple of 256: a config asking for 256 must not drop rows of I."""
+    from pallas_kernels.moe_grouped import Config, fit_config
+
+    cfg = fit_config(Config(gu_block_d=256, dn_block_i=256), 2048, 1408)
+    assert 1408 % cfg.dn_block_i == 0 and 2048 % cfg.gu_block_d == 0 and cfg.gu_block_d == 256
 
 
 @pytest.mark.parametrize("name", ["v3_tiny", "v2lite_tiny"])
