@@ -191,7 +191,7 @@ def forward(model: DeepseekForCausalLM, tokens):
     x = model.embed[...][tokens.reshape(-1)]
     cos_sin = model.rope_cos_sin(jnp.tile(jnp.arange(s), b))
     aux = 0.0
-    for layer in model.layers:
+    for layer in (model.layer(i) for i in range(model.cfg.num_layers)):  # scanned or unrolled models
         x = x + attention(layer.attn, layer.input_norm(x), cos_sin, b, s)
         h = layer.post_attn_norm(x)
         if isinstance(layer.mlp, MoE):
@@ -332,7 +332,8 @@ def main(argv=None):
              len(train_files), len(train_ids), len(held_files), len(held_ids))
 
     cfg = dataclasses.replace(architecture(tok.get_vocab_size()), max_position_embeddings=max(4096, args.seq))
-    model = DeepseekForCausalLM(cfg, RuntimeOptions(dtype="float32"), nnx.Rngs(args.seed))
+    # One module per layer while training (the engine stacks them for its scan when it loads the export).
+    model = DeepseekForCausalLM(cfg, RuntimeOptions(dtype="float32", scan_layers=False), nnx.Rngs(args.seed))
     tc = TrainConfig(args.steps, args.minutes, args.batch, args.seq, args.lr, args.warmup, args.aux_weight,
                      args.eval_batches, args.eval_every)
     stats = train(model, train_ids, held_ids, tc, args.seed)

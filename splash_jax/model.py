@@ -6,18 +6,25 @@ sharding rule is "shard axis `heads`", never a reshape. Linear weights are store
 
 Attention runs in the absorbed form (W_UK folded into the query, W_UV applied after attention
 over the latent); `attention_impl="naive"` selects the non-absorbed form, kept as a check.
+
+Decoder layers run under `lax.scan` by default (`RuntimeOptions.scan_layers`): one stacked module
+per layer group (splash_jax/layer_groups.py), so compile time does not grow with depth. The
+unrolled form (one module per layer, a Python loop) stays available for comparison. Both read
+and write the stacked KV pool the same way (kv/cache.py: flat views, per-layer page offsets).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from splash_jax.attention import dispatch
 from splash_jax.attention.naive import naive_mla_attention
-from splash_jax.kv.cache import KVCache, StepInput, write_kv
+from splash_jax.kv.cache import KVCache, StepInput, layer_batch, write_kv
+from splash_jax.layer_groups import layer_groups
 from splash_jax.model_config import ModelConfig
 from splash_jax.layers import LATENT_NORM_EPS, MLP, RMSNorm, init_param, rms_norm
 from splash_jax.moe import MoE
@@ -31,6 +38,7 @@ class RuntimeOptions:
 
     dtype: str = "float32"
     attention_impl: str = "auto"  # auto | xla | pallas | naive
+    scan_layers: bool = True  # layers stacked per group under lax.scan (False: one module per layer, unrolled)
 
 
 class MLAttention(nnx.Module):
@@ -154,7 +162,12 @@ class DeepseekForCausalLM(nnx.Module):
         self.options = options
         vocab = cfg.arrays.vocab_size
         self.embed = init_param(rngs, (vocab, cfg.hidden_size), dtype, std=1.0)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        layers = [DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)]  # same init either way
+        if options.scan_layers:
+            for name, indices in layer_groups(cfg).items():
+                setattr(self, name, stack_layers([layers[i] for i in indices]))
+        else:
+            self.layers = nnx.List(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = init_param(rngs, (cfg.hidden_size, vocab), dtype)
@@ -174,20 +187,52 @@ class DeepseekForCausalLM(nnx.Module):
         ctx = ctx or LocalContext(attention_impl or self.options.attention_impl)
         x = ctx.embed(self.embed[...], batch.tokens)
         cos_sin = self.rope_cos_sin(batch.positions)
-        layers = []
-        for i, layer in enumerate(self.layers):
-            x, pools = layer(x, cos_sin, kv.layer(i), batch, ctx)
-            layers.append(pools)
+        pools, pages, num_layers = kv.flat(), kv.pages_per_segment(), kv.num_layers
+
+        def run_layer(layer, index, x, pools):
+            return layer(x, cos_sin, pools, layer_batch(batch, index, pages, num_layers), ctx)
+
+        if self.options.scan_layers:
+            for name, indices in layer_groups(self.cfg).items():
+                graphdef, state = nnx.split(getattr(self, name))
+
+                def body(carry, xs, graphdef=graphdef):
+                    layer_state, index = xs
+                    return run_layer(nnx.merge(graphdef, layer_state), index, *carry), None
+
+                index = jnp.arange(indices.start, indices.stop, dtype=jnp.int32)
+                (x, pools), _ = jax.lax.scan(body, (x, pools), (state, index))
+        else:
+            for i, layer in enumerate(self.layers):
+                x, pools = run_layer(layer, i, x, pools)
         h = self.norm(x[batch.logits_index])
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         logits = ctx.logits(h, head)
         if logits.shape[-1] != self.cfg.vocab_size:  # padded vocabulary rows are never sampled
             logits = logits[:, : self.cfg.vocab_size]
-        return logits, KVCache.from_layers(layers)
+        return logits, kv.unflat(pools)
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer i as a module (a view of its slice of the stacked weights when scanned): for checks."""
+        if not self.options.scan_layers:
+            return self.layers[i]
+        for name, indices in layer_groups(self.cfg).items():
+            if i in indices:
+                graphdef, state = nnx.split(getattr(self, name))
+                return nnx.merge(graphdef, jax.tree.map(lambda x: x[i - indices.start], state))
+        raise IndexError(f"layer {i} of a {self.cfg.num_layers}-layer model")
 
     def new_cache(self, num_pages: int, page_size: int, sharding=None, extra_pages: int = 0) -> KVCache:
+        """sharding: of the whole [L, P, S, D] pool arrays (mesh/layouts.POOL_SPEC on a mesh)."""
         cfg = self.cfg
         return KVCache.zeros(
             cfg.num_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
             jnp.dtype(self.options.dtype), sharding, extra_pages,
         )
+
+
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One module whose parameters stack the given layers' (same structure) on a leading axis."""
+    graphdef, _ = nnx.split(layers[0])
+    states = [nnx.split(layer)[1] for layer in layers]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))

@@ -81,7 +81,7 @@ class RooflineCosts:
         self.layers = cfg.num_layers
         self.heads = cfg.num_heads
         self.hidden = cfg.hidden_size
-        self.dtype_bytes = engine.executor.pool.latent[0].dtype.itemsize
+        self.dtype_bytes = engine.executor.pool.latent.dtype.itemsize
         self.kv_bytes_per_token = cfg.num_layers * cfg.latent_dim * self.dtype_bytes
         self.head_bytes = engine.head_sharded_bytes
         total = sum(x.nbytes for _, x in engine.executor.param_items())

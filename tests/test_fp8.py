@@ -51,7 +51,7 @@ def test_dequantize_applies_each_blocks_scale_including_partial_blocks():
 def test_bf16_load_is_within_bf16_tolerance_of_the_dequantized_reference():
     ref = np.load(FIXTURE / "reference.npz")
     model = load_model(FIXTURE, RuntimeOptions(dtype="bfloat16", attention_impl="xla"))
-    assert str(model.layers[1].mlp.experts_gate[...].dtype) == "bfloat16"
+    assert str(model.layer(1).mlp.experts_gate[...].dtype) == "bfloat16"
     runner = SingleRequestRunner(model, page_size=8, max_len=64)
     logits, _ = runner.run(runner.new_cache(), ref["prompt_ids"], 0, want="all")
     err = np.abs(logits - ref["prefill_logits"]).max() / np.abs(ref["prefill_logits"]).max()

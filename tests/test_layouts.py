@@ -20,7 +20,7 @@ from splash_jax.engine.step_packer import SlotSampling, StepShape, host_step_inp
 from splash_jax.kv.allocator import PageAllocator
 from splash_jax.kv.page_table import PageTables
 from splash_jax.kv.placement import OWNER
-from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, get_layout, make_mesh, param_sharding_fn
+from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, POOL_SPEC, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
 from splash_jax.weights.loader import load_model
@@ -80,7 +80,7 @@ def layout_logits(name):
     # Head-sharded layouts get a 2-page base segment and a 14-page extra segment, so requests
     # spill across both and attention merges the segments.
     base, extra = (2, 14) if layout.heads_sharded else (PER_DEVICE, 0)
-    kv = model.new_cache(N * base, S, NamedSharding(mesh, P(AXIS)), extra_pages=N * extra)
+    kv = model.new_cache(N * base, S, NamedSharding(mesh, POOL_SPEC), extra_pages=N * extra)
     graphdef, state = nnx.split(model)
     forward = jax.jit(layout_step(graphdef, state, kv, mesh, layout, "xla"))
     alloc = PageAllocator(N, base, S, extra)
@@ -112,7 +112,7 @@ def _attention_hlo(name):
     """HLO of one layer's attention block for `name` inside shard_map, compiled for 8 devices."""
     layout, mesh = get_layout(name), make_mesh(N)
     model = load_model(DEFAULT_MODEL, OPTS, sharding_for=param_sharding_fn(layout, mesh))
-    graphdef, state = nnx.split(model.layers[0].attn)
+    graphdef, state = nnx.split(model.layer(0).attn)
     ctx = ShardedContext(layout, N, "xla")
     t = 16 * N if layout.owner_rows else 16
 

@@ -93,7 +93,7 @@ def _every_layout_matches_single_device(tmp_path_factory, heads, experts):
         got, engine = _outputs(folder, layout=name, num_devices=N)
         arrays = engine.model.cfg.arrays
         assert arrays.num_heads % N == 0 and arrays.n_routed_experts % N == 0
-        assert engine.model.layers[0].attn.o_proj[...].shape[0] == arrays.num_heads
+        assert engine.model.layer(0).attn.o_proj[...].shape[0] == arrays.num_heads
         _assert_same(got, want, f"{name}: {heads} heads, {experts} experts")
 
 

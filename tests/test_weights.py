@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from splash_jax.layer_groups import is_stacked
 from splash_jax.model import RuntimeOptions
 from splash_jax.model_config import ConfigError, ModelConfig
 from splash_jax.weights.loader import load_model
@@ -30,10 +31,11 @@ def _head_sharded(mesh):
 
     def rule(path, shape):
         name = path[-1]
+        lead = (None,) if is_stacked(path) else ()  # stacked layer groups: a leading layer axis
         if name in ("q_proj", "q_b", "w_uk", "w_uv"):
-            return NamedSharding(mesh, P(None, "x", None))
+            return NamedSharding(mesh, P(*lead, None, "x", None))
         if name == "o_proj" or name.startswith("experts_"):
-            return NamedSharding(mesh, P("x"))
+            return NamedSharding(mesh, P(*lead, "x"))
         return NamedSharding(mesh, P())
 
     return rule
@@ -43,7 +45,7 @@ def test_load_places_each_tensor_on_its_sharding():
     mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
     sharded = load_model(FIXTURE, OPTS, sharding_for=_head_sharded(mesh))
     single = load_model(FIXTURE, OPTS)
-    experts = sharded.layers[1].mlp.experts_gate[...]
+    experts = sharded.layer(1).mlp.experts_gate[...]
     assert experts.sharding.spec == P("x")
     # Each device holds only its 2 of the 8 experts.
     assert {s.data.shape for s in experts.addressable_shards} == {(2, 32, 64)}  # [E, I, D]
@@ -58,10 +60,10 @@ def test_orbax_round_trip_into_a_different_sharding(tmp_path):
     original = load_model(FIXTURE, OPTS)  # device 0, unsharded
     save_snapshot(original, tmp_path / "snap")
     restored = load_model(tmp_path / "snap", OPTS, sharding_for=_head_sharded(mesh))
-    w_uk = restored.layers[0].attn.w_uk[...]
-    assert w_uk.sharding.spec == P(None, "x", None)
+    w_uk = restored.dense_layers.attn.w_uk[...]  # [layers, L, H, Dn]
+    assert w_uk.sharding.spec == P(None, None, "x", None)
     assert w_uk.sharding.device_set == set(jax.devices()[4:])
-    assert {s.data.shape for s in w_uk.addressable_shards} == {(128, 1, 32)}
+    assert {s.data.shape for s in w_uk.addressable_shards} == {(1, 128, 1, 32)}
     a, b = _params(original), _params(restored)
     assert a.keys() == b.keys()
     for k in a:
@@ -73,7 +75,7 @@ def test_dummy_weights_have_checkpoint_shapes():
     dummy = load_model(FIXTURE, OPTS, load_format="dummy")
     a, b = _params(real), _params(dummy)
     assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
-    assert np.std(b[("layers", "1", "attn", "w_uk")]) > 0
+    assert np.std(b[("moe_layers", "attn", "w_uk")][0]) > 0
 
 
 def _copy_fixture(tmp_path):

@@ -41,6 +41,7 @@ class EngineConfig:
     compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
     warmup: bool = True  # compile every bucket at start-up
     compile_threads: int = 1  # ahead-of-time compiles in parallel threads (1: in the calling thread)
+    scan_layers: bool = True  # decoder layers under lax.scan (compile time independent of depth); off: unrolled
 
     def resolved_dtype(self, backend: str) -> str:
         if self.dtype != "auto":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from splash_jax import distributed
 from splash_jax.engine.config import EngineConfig
@@ -44,7 +44,7 @@ from splash_jax.kv.capacity import (
     layout_token_capacity,
     pages_per_device,
 )
-from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, get_layout, make_mesh, param_sharding_fn
+from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, POOL_SPEC, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
 from splash_jax.tokenizer import Tokenizer
@@ -87,7 +87,7 @@ class Engine:
 
         t0 = time.perf_counter()
         path = Path(config.model) if config.model else DEFAULT_MODEL
-        options = RuntimeOptions(dtype=dtype, attention_impl=config.attention_impl)
+        options = RuntimeOptions(dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.scan_layers)
         self.model = model or load_model(
             path, options, sharding_for=param_sharding_fn(self.layout, self.mesh),
             load_format=config.load_format, seed=config.seed,
@@ -130,7 +130,7 @@ class Engine:
         self.slot_sampling = SlotSampling(config.max_num_seqs, widths, sorted(self.eos_ids))
         self._slot_request: list[Request | None] = [None] * config.max_num_seqs
         kv = self.model.new_cache(
-            self.n * per_device, config.page_size, NamedSharding(self.mesh, P(AXIS)), extra_pages=self.n * extra
+            self.n * per_device, config.page_size, NamedSharding(self.mesh, POOL_SPEC), extra_pages=self.n * extra
         )
         log.info(
             "KV pool (%s on %d devices): %d base + %d extra pages of %d tokens per device, %d tokens capacity (%.2f GiB)",

@@ -38,7 +38,7 @@ from splash_jax.engine.penalties import PenaltyState, update_history
 from splash_jax.engine.sampler import SamplerWidths, sample
 from splash_jax.engine.step_packer import StepShape, unpack_step
 from splash_jax.kv.cache import KVCache, StepInput
-from splash_jax.mesh.layouts import AXIS, Layout
+from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
 from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str):
     def per_device(state, kv, batch):
         return nnx.merge(graphdef, state)(kv, _local(batch), ctx=ctx)
 
-    kv_specs = jax.tree.map(lambda _: P(AXIS), kv)
+    kv_specs = jax.tree.map(lambda _: POOL_SPEC, kv)
     batch_specs = StepInput(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P())
     return jax.shard_map(
         per_device, mesh=mesh, in_specs=(param_specs(state, layout), kv_specs, batch_specs),
@@ -136,6 +136,7 @@ class StepExecutor:
         self.move_pages = move_pages  # pages per device pair in a `moving` program (0: none)
         self.replicated = NamedSharding(mesh, P())
         self.per_device = NamedSharding(mesh, P(AXIS))
+        self.pool_sharding = NamedSharding(mesh, POOL_SPEC)
         vocab = model.cfg.vocab_size
         self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
         self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
@@ -177,13 +178,14 @@ class StepExecutor:
         """The pool as the layout has it: the extra segment exists only under head-sharded layouts."""
 
         def spec(x, pages=None):
-            return jax.ShapeDtypeStruct((pages or x.shape[0],) + x.shape[1:], x.dtype, sharding=self.per_device)
+            shape = (x.shape[0], pages or x.shape[1]) + x.shape[2:]  # [L, P, S, D]
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=self.pool_sharding)
 
-        base_l, base_r = tuple(spec(x) for x in self.kv.latent), tuple(spec(x) for x in self.kv.rope)
+        base = (spec(self.kv.latent), spec(self.kv.rope))
         if layout.heads_sharded and self.extra_pages_total:
             e = self.extra_pages_total
-            return KVCache(base_l, base_r, tuple(spec(x, e) for x in self.kv.latent), tuple(spec(x, e) for x in self.kv.rope))
-        return KVCache(base_l, base_r)
+            return KVCache(*base, spec(self.kv.latent, e), spec(self.kv.rope, e))
+        return KVCache(*base)
 
     def shape(self, layout: Layout, bucket: Bucket) -> StepShape:
         return StepShape(
@@ -213,7 +215,7 @@ class StepExecutor:
             return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties
 
         param_specs_ = tuple(layout.param_spec(p) for p in self.paths)
-        kv_specs = jax.tree.map(lambda _: P(AXIS), self.kv_abstract(layout))
+        kv_specs = jax.tree.map(lambda _: POOL_SPEC, self.kv_abstract(layout))
         pen_specs = jax.tree.map(lambda _: P(), self.penalties)
         in_specs = (param_specs_, kv_specs, pen_specs, P(), P(), P(AXIS)) + ((P(AXIS),) if moving else ())
         mapped = jax.shard_map(

@@ -1,10 +1,16 @@
 """The paged latent KV cache as a pytree, and the step inputs that address it.
 
-One physical structure for every layout (DESIGN.md §4 rule 1): per layer, a latent pool
-[num_pages, page_size, kv_lora_rank] and a rope-key pool [num_pages, page_size, rope_dim].
+One physical structure for every layout (DESIGN.md §4 rule 1): a latent pool
+[num_layers, num_pages, page_size, kv_lora_rank] and a rope-key pool [num_layers, num_pages,
+page_size, rope_dim], sharded over devices on the page axis (mesh/layouts.POOL_SPEC).
 Latent and rope parts are separate arrays so kernels read them as 512 + 64 without slicing.
-Per-layer arrays (not one [L, ...] array) let each layer's buffer be updated in place when the
-cache is donated and be passed to a kernel without a slicing copy.
+
+Layers are stacked (one array, not one per layer) so a scan over layers can carry the whole pool.
+A layer never takes a slice of it: a per-layer dynamic slice passed to a kernel (a custom call)
+would be materialized, copying the layer's pool every layer of every step. Instead each device
+views its [L, P, S, D] shard as [L * P, S, D] (a free reshape) and the layer's page ids are offset
+by `layer * P` (`layer_batch`), for the writes (a scatter into the carried buffer, in place) and
+for the reads (the page table), so attention kernels see one flat pool and keep their interface.
 """
 
 from __future__ import annotations
@@ -18,47 +24,57 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    latent: tuple[jax.Array, ...]  # L x [P, S, kv_lora_rank]   base segment
-    rope: tuple[jax.Array, ...]  # L x [P, S, rope_dim]
-    extra_latent: tuple[jax.Array, ...] = ()  # L x [Pe, S, kv_lora_rank]: extra segment (see kv/allocator.py)
-    extra_rope: tuple[jax.Array, ...] = ()
+    latent: jax.Array  # [L, P, S, kv_lora_rank]   base segment
+    rope: jax.Array  # [L, P, S, rope_dim]
+    extra_latent: jax.Array | None = None  # [L, Pe, S, kv_lora_rank]: extra segment (see kv/allocator.py)
+    extra_rope: jax.Array | None = None
 
     @property
     def num_layers(self) -> int:
-        return len(self.latent)
+        return self.latent.shape[0]
 
     @property
     def num_segments(self) -> int:
-        return 2 if self.extra_latent else 1
+        return 1 if self.extra_latent is None else 2
 
-    def layer(self, i: int) -> tuple[tuple[jax.Array, jax.Array], ...]:
-        """Layer i's pools, one (latent, rope) pair per segment."""
-        base = ((self.latent[i], self.rope[i]),)
-        return base + (((self.extra_latent[i], self.extra_rope[i]),) if self.extra_latent else ())
+    def segments(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """(latent, rope) per segment, each [L, P, S, D]."""
+        base = ((self.latent, self.rope),)
+        return base if self.extra_latent is None else base + ((self.extra_latent, self.extra_rope),)
 
     @classmethod
-    def from_layers(cls, layers: list[tuple[tuple[jax.Array, jax.Array], ...]]) -> "KVCache":
-        extra = len(layers[0]) > 1
-        return cls(
-            latent=tuple(p[0][0] for p in layers), rope=tuple(p[0][1] for p in layers),
-            extra_latent=tuple(p[1][0] for p in layers) if extra else (),
-            extra_rope=tuple(p[1][1] for p in layers) if extra else (),
+    def from_segments(cls, segments) -> "KVCache":
+        (latent, rope), *extra = segments
+        return cls(latent, rope, *(extra[0] if extra else (None, None)))
+
+    def flat(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """Per segment, (latent, rope) viewed as [L * P, S, D]: what every layer reads and writes."""
+        return tuple(tuple(x.reshape((-1,) + x.shape[2:]) for x in seg) for seg in self.segments())
+
+    def unflat(self, flat) -> "KVCache":
+        """The inverse of `flat` (shapes from this cache)."""
+        return KVCache.from_segments(
+            tuple(tuple(f.reshape(x.shape) for f, x in zip(fs, seg)) for fs, seg in zip(flat, self.segments()))
         )
+
+    def pages_per_segment(self) -> tuple[int, ...]:
+        return tuple(seg[0].shape[1] for seg in self.segments())
 
     @staticmethod
     def zeros_segment(num_layers, num_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding=None):
         def make(dim):
-            shape = (num_pages, page_size, dim)
+            shape = (num_layers, num_pages, page_size, dim)
             if sharding is None:
                 return jnp.zeros(shape, dtype)
             return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
-        return tuple(make(kv_lora_rank) for _ in range(num_layers)), tuple(make(rope_dim) for _ in range(num_layers))
+        return make(kv_lora_rank), make(rope_dim)
 
     @classmethod
     def zeros(cls, num_layers, num_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding=None, extra_pages=0):
+        """sharding: of the whole [L, P, S, D] array (mesh/layouts.POOL_SPEC shards the page axis)."""
         latent, rope = cls.zeros_segment(num_layers, num_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding)
-        extra = ((), ())
+        extra = (None, None)
         if extra_pages:
             extra = cls.zeros_segment(num_layers, extra_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding)
         return cls(latent, rope, *extra)
@@ -86,6 +102,28 @@ class StepInput:
     kv_lens: jax.Array  # [T] int32, positions the token attends to (its position + 1; 0 = padding)
     page_table: jax.Array  # [R, M] int32
     logits_index: jax.Array  # [N] int32, token slots whose logits are wanted
+
+
+def layer_batch(batch: StepInput, layer, pages: tuple[int, ...], num_layers: int) -> StepInput:
+    """The step's page ids for `layer` (an int or a traced scan index) in the flat [L * P] pool views.
+
+    Write pages outside [0, P) (padding, dropped writes) stay outside the flat pool, so they are
+    still dropped; page-table entries past a request's length may be garbage: they are clamped
+    into the layer's own pages (never read: kv_lens masks them). `pages` holds P per segment;
+    the fields carry a [G] segment axis when there are per-device segments (write_page [G, Tq]).
+    """
+    segmented = batch.write_page.ndim == 2
+    p = jnp.asarray(pages, jnp.int32)
+    if segmented:
+        p_write, p_table = p[:, None], p[:, None, None]
+    else:
+        (single,) = pages
+        p_write = p_table = jnp.int32(single)
+    start = layer * p_write
+    w = batch.write_page
+    write = jnp.where((w >= 0) & (w < p_write), w + start, num_layers * p_write)
+    table = jnp.clip(batch.page_table, 0, p_table - 1) + layer * p_table
+    return dataclasses.replace(batch, write_page=write, page_table=table)
 
 
 def write_kv(pool: jax.Array, values: jax.Array, pages: jax.Array, offsets: jax.Array) -> jax.Array:

@@ -22,8 +22,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from splash_jax.kv.placement import OWNER, REPLICATED, STRIPED, Placement
+from splash_jax.layer_groups import is_stacked
 
 AXIS = "dev"
+POOL_SPEC = P(None, AXIS)  # KV pool arrays [layers, pages, page_size, dim]: sharded by page
 LAYOUT_NAMES = ("tp", "dp", "dop", "cp")
 
 # Attention weights that carry a head axis, and where it is.
@@ -61,10 +63,13 @@ class Layout:
         return self.kv_placement is OWNER
 
     def param_spec(self, path: tuple) -> P:
+        """The leaf's spec from the one rule table; stacked layer groups add a leading (unsharded) layer axis."""
         role = str(path[-1])
         if role in HEAD_SHARDED:
-            return HEAD_SHARDED[role] if self.heads_sharded else P()
-        return FIXED.get(role, P())
+            spec = HEAD_SHARDED[role] if self.heads_sharded else P()
+        else:
+            spec = FIXED.get(role, P())
+        return P(None, *spec) if spec and is_stacked(path) else spec
 
 
 LAYOUTS = {

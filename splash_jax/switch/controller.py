@@ -23,10 +23,10 @@ import time
 from collections import Counter
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from splash_jax.kv.allocator import OutOfPages
-from splash_jax.mesh.layouts import AXIS, Layout, get_layout
+from splash_jax.mesh.layouts import POOL_SPEC, Layout, get_layout
 from splash_jax.switch.migration import PageMover, WeightResharder, chunk_buffer, drop_extra_segment, pack_chunks
 from splash_jax.switch.planner import (
     SwitchRefused,
@@ -128,12 +128,12 @@ class SwitchController:
         if not ex.extra_pages_total:
             return None
         target = ex.kv_abstract(get_layout("tp"))
-        shapes = tuple(target.extra_latent) + tuple(target.extra_rope)
+        shapes = (target.extra_latent, target.extra_rope)
 
         def zeros():
             return tuple(jax.numpy.zeros(s.shape, s.dtype) for s in shapes)
 
-        sharding = NamedSharding(self.engine.mesh, P(AXIS))
+        sharding = NamedSharding(self.engine.mesh, POOL_SPEC)
         return jax.jit(zeros, out_shardings=tuple(sharding for _ in shapes)).lower().compile()
 
     # --- API -------------------------------------------------------------------------------------
@@ -326,9 +326,8 @@ class SwitchController:
         params = self._resharded_weights(dst)
         kv = ex.pool
         if plan.extra_segment == "add" and self._make_extra is not None:
-            arrays = self._make_extra()
-            n_layers = len(kv.latent)
-            kv = dataclasses.replace(kv, extra_latent=tuple(arrays[:n_layers]), extra_rope=tuple(arrays[n_layers:]))
+            extra_latent, extra_rope = self._make_extra()
+            kv = dataclasses.replace(kv, extra_latent=extra_latent, extra_rope=extra_rope)
             engine.allocator.add_extra_segment(engine.extra_pages)
         # 4. Page tables follow the new pages (per running request, not per pool page); then the
         #    executor's params, pool and layout change together.

@@ -3,6 +3,8 @@
 Page copies run in bounded chunks: a chunk moves up to K pages from every device to every
 device (all layers, latent and rope, either pool segment) with one all_to_all inside
 shard_map, so the transfer is a device collective, never a host round trip (DESIGN.md §3).
+With the stacked pool ([L, P, S, D] per segment) a chunk is one gather and one scatter over
+[all layers, page ids].
 Weights are resharded leaf by leaf with a jitted identity whose out_shardings is the target
 and whose input is donated, so each source buffer is freed as its replacement appears.
 """
@@ -19,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from splash_jax.kv.allocator import PageAllocator
 from splash_jax.kv.cache import KVCache
-from splash_jax.mesh.layouts import AXIS
+from splash_jax.mesh.layouts import AXIS, POOL_SPEC
 
 log = logging.getLogger(__name__)
 
@@ -81,50 +83,43 @@ def _split(buf: jax.Array, n: int):
 
 
 def _gather_pages(pools, ids, seg):
-    """Rows `ids` from the pool segment `seg` names: [N, K] -> [N, K, S, D]."""
-    base = pools[0][jnp.clip(ids, 0, pools[0].shape[0] - 1)]
+    """Pages `ids` of every layer from the pool segment `seg` names: [N, K] -> [L, N, K, S, D]."""
+    base = pools[0][:, jnp.clip(ids, 0, pools[0].shape[1] - 1)]
     if len(pools) == 1:
         return base
-    extra = pools[1][jnp.clip(ids, 0, pools[1].shape[0] - 1)]
-    return jnp.where((seg == 0)[..., None, None], base, extra)
+    extra = pools[1][:, jnp.clip(ids, 0, pools[1].shape[1] - 1)]
+    return jnp.where((seg == 0)[None, ..., None, None], base, extra)
 
 
 def _scatter_pages(pools, data, ids, seg):
-    out = [pools[0].at[jnp.where(seg == 0, ids, pools[0].shape[0] + 1)].set(data, mode="drop")]
+    """data [L, N, K, S, D] into pages `ids` of every layer (ids of the other segment are dropped)."""
+    out = [pools[0].at[:, jnp.where(seg == 0, ids, pools[0].shape[1] + 1)].set(data, mode="drop")]
     if len(pools) > 1:
-        out.append(pools[1].at[jnp.where(seg == 1, ids, pools[1].shape[0] + 1)].set(data, mode="drop"))
+        out.append(pools[1].at[:, jnp.where(seg == 1, ids, pools[1].shape[1] + 1)].set(data, mode="drop"))
     return out
 
 
 def move_pages_start(kv: KVCache, buf: jax.Array) -> jax.Array:
-    """Per device, inside shard_map: gather the pages this device sends (every layer, latent and
-    rope side by side) and exchange them with one all_to_all. Reads `kv` only, so it can run
+    """Per device, inside shard_map: gather the pages this device sends (every layer at once, latent
+    and rope side by side) and exchange them with one all_to_all. Reads `kv` only, so it can run
     beside a forward pass that writes other pages of the same pool."""
     n = jax.lax.axis_size(AXIS)
     send_ids, send_seg, _, _ = _split(buf, n)
-    data = []
-    for i in range(kv.num_layers):
-        parts = [_gather_pages([seg[p] for seg in kv.layer(i)], send_ids, send_seg) for p in range(2)]
-        data.append(jnp.concatenate(parts, axis=-1))  # [N, K, S, latent + rope]
-    data = jnp.stack(data, axis=2)  # [N, K, L, S, D]
-    return jax.lax.all_to_all(data, AXIS, split_axis=0, concat_axis=0, tiled=True)
+    segments = kv.segments()
+    parts = [_gather_pages([seg[p] for seg in segments], send_ids, send_seg) for p in range(2)]
+    data = jnp.concatenate(parts, axis=-1)  # [L, N, K, S, latent + rope]
+    return jax.lax.all_to_all(data, AXIS, split_axis=1, concat_axis=1, tiled=True)
 
 
 def move_pages_finish(kv: KVCache, received: jax.Array, buf: jax.Array) -> KVCache:
     """Scatter received pages into their reserved destination pages (sentinel ids are dropped)."""
     n = jax.lax.axis_size(AXIS)
     _, _, recv_ids, recv_seg = _split(buf, n)
-    latent_dim = kv.latent[0].shape[-1]
-    layers = []
-    for i in range(kv.num_layers):
-        segments = kv.layer(i)
-        data = received[:, :, i]
-        moved = [
-            _scatter_pages([seg[0] for seg in segments], data[..., :latent_dim], recv_ids, recv_seg),
-            _scatter_pages([seg[1] for seg in segments], data[..., latent_dim:], recv_ids, recv_seg),
-        ]
-        layers.append(tuple(zip(moved[0], moved[1])))
-    return KVCache.from_layers(layers)
+    latent_dim = kv.latent.shape[-1]
+    segments = kv.segments()
+    latent = _scatter_pages([seg[0] for seg in segments], received[..., :latent_dim], recv_ids, recv_seg)
+    rope = _scatter_pages([seg[1] for seg in segments], received[..., latent_dim:], recv_ids, recv_seg)
+    return KVCache.from_segments(tuple(zip(latent, rope)))
 
 
 class PageMover:
@@ -139,7 +134,7 @@ class PageMover:
         def per_device_fn(kv: KVCache, buf):
             return move_pages_finish(kv, move_pages_start(kv, buf[0]), buf[0])
 
-        kv_specs = jax.tree.map(lambda _: P(AXIS), kv_abstract)
+        kv_specs = jax.tree.map(lambda _: POOL_SPEC, kv_abstract)
         mapped = jax.shard_map(per_device_fn, mesh=mesh, in_specs=(kv_specs, P(AXIS)), out_specs=kv_specs, check_vma=False)
         idx = jax.ShapeDtypeStruct((n, len(MOVE_FIELDS) * n * k), jnp.int32, sharding=per_device)
         self.compiled = jax.jit(mapped, donate_argnums=(0,)).lower(kv_abstract, idx).compile()
@@ -174,14 +169,15 @@ class WeightResharder:
 
 def new_extra_segment(kv: KVCache, extra_pages_total: int, sharding) -> KVCache:
     """Allocate the extra segment (zeros) next to an existing base segment."""
-    layers, page_size = kv.num_layers, kv.latent[0].shape[1]
+    layers, _, page_size, latent_dim = kv.latent.shape
     latent, rope = KVCache.zeros_segment(
-        layers, extra_pages_total, page_size, kv.latent[0].shape[2], kv.rope[0].shape[2], kv.latent[0].dtype, sharding
+        layers, extra_pages_total, page_size, latent_dim, kv.rope.shape[-1], kv.latent.dtype, sharding
     )
     return dataclasses.replace(kv, extra_latent=latent, extra_rope=rope)
 
 
 def drop_extra_segment(kv: KVCache) -> KVCache:
-    for x in kv.extra_latent + kv.extra_rope:
-        x.delete()
-    return dataclasses.replace(kv, extra_latent=(), extra_rope=())
+    for x in (kv.extra_latent, kv.extra_rope):
+        if x is not None:
+            x.delete()
+    return dataclasses.replace(kv, extra_latent=None, extra_rope=None)

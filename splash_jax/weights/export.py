@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from splash_jax.layer_groups import is_stacked, layer_groups, unstack_path
 from splash_jax.model_config import ModelConfig
 
 SAFETENSORS_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -25,8 +26,8 @@ def hf_tensors(model, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     cfg: ModelConfig = model.cfg
     if cfg.padding is not None:
         raise ValueError("export an unpadded model (load it without a device-count padding)")
-    params = {tuple(str(k) for k in path): np.asarray(v[...], np.float32)
-              for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    params = per_layer_params(cfg, {tuple(str(k) for k in path): np.asarray(v[...], np.float32)
+                                    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))})
     out: dict[str, np.ndarray] = {
         "model.embed_tokens.weight": params[("embed",)],
         "model.norm.weight": params[("norm", "weight")],
@@ -75,6 +76,21 @@ def hf_tensors(model, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     return {
         k: np.ascontiguousarray(v.astype(np.float32 if k.endswith(keep_f32) else np_dtype)) for k, v in out.items()
     }
+
+
+def per_layer_params(cfg: ModelConfig, params: dict[tuple, np.ndarray]) -> dict[tuple, np.ndarray]:
+    """Stacked layer-group leaves split into per-layer ("layers", "i", ...) entries (others unchanged)."""
+    if not any(is_stacked(path) for path in params):
+        return params
+    groups = layer_groups(cfg)
+    out = {}
+    for path, value in params.items():
+        if is_stacked(path):
+            for j, (_, layer_path) in enumerate(unstack_path(path, groups)):
+                out[layer_path] = value[j]
+        else:
+            out[path] = value
+    return out
 
 
 def save_hf_folder(model, folder: str | Path, dtype: str = "bfloat16", extra_config: dict | None = None) -> Path:

@@ -2,7 +2,9 @@
 
 Weights go tensor by tensor straight onto their target sharding with
 `jax.make_array_from_callback`: each device's callback reads only its slice (for experts, only
-its experts), so the host holds at most one tensor at a time, never the model.
+its experts), so the host holds at most one parameter leaf at a time, never the model. With
+scanned layers a leaf stacks one tensor per layer of its group (the host then holds that stack
+for non-expert leaves; expert leaves are read per device slice, layer by layer).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from splash_jax.layer_groups import is_stacked, layer_groups, unstack_path
 from splash_jax.model import DeepseekForCausalLM, RuntimeOptions
 from splash_jax.model_config import ModelConfig
 from splash_jax.weights.fp8 import DequantizingReader
-from splash_jax.weights.hf_names import param_sources
+from splash_jax.weights.hf_names import ParamSource, param_sources
 from splash_jax.weights.padding import padding_report, zero_pad_to
 from splash_jax.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
 
@@ -88,48 +91,74 @@ def load_model(
     return nnx.merge(graphdef, state)
 
 
-def _safetensors_state(cfg, ckpt: DequantizingReader, abstract, sharding_for, options):
+def leaf_sources(cfg: ModelConfig, abstract) -> list[tuple[tuple, list[ParamSource] | ParamSource]]:
+    """Per parameter leaf: its checkpoint source, or for a stacked layer group one source per layer."""
     sources = param_sources(cfg)
-    flat = nnx.to_flat_state(abstract)
+    groups = layer_groups(cfg) if any(is_stacked(_path_key(k)) for k, _ in nnx.to_flat_state(abstract)) else {}
+    out = []
+    for key, _ in nnx.to_flat_state(abstract):
+        path = _path_key(key)
+        per_layer = [(l, (p[0], l) + p[2:]) for l, p in unstack_path(path, groups)] if is_stacked(path) else [(None, path)]
+        found = [sources.get(p) for _, p in per_layer]
+        if any(src is None for src in found):
+            raise CheckpointError(f"no checkpoint mapping for parameter {'.'.join(map(str, path))}")
+        out.append((path, found if is_stacked(path) else found[0]))
+    return out
+
+
+def _safetensors_state(cfg, ckpt: DequantizingReader, abstract, sharding_for, options):
+    flat = list(nnx.to_flat_state(abstract))
+    leaf_srcs = leaf_sources(cfg, abstract)
     # Validate every tensor up front: one clear error before any device memory is used.
-    for key, var in flat:
-        src = sources.get(_path_key(key))
-        if src is None:
-            raise CheckpointError(f"no checkpoint mapping for parameter {'.'.join(map(str, _path_key(key)))}")
-        for name, shape in zip(src.names, src.shapes):
-            got = ckpt.shape(name)
-            if got != shape:
-                raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape} from config.json")
-            ckpt.check_dtype(name)
-    used = {n for s in sources.values() for n in s.names}
+    for _, src in leaf_srcs:
+        for one in src if isinstance(src, list) else [src]:
+            for name, shape in zip(one.names, one.shapes):
+                got = ckpt.shape(name)
+                if got != shape:
+                    raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape} from config.json")
+                ckpt.check_dtype(name)
+    used = {n for _, src in leaf_srcs for one in (src if isinstance(src, list) else [src]) for n in one.names}
     used |= {c for n in list(used) for c in ckpt.companions(n)}
     unused = [n for n in ckpt.names() if n not in used]
     if unused:
         log.info("ignoring %d checkpoint tensors not used by this model (e.g. %s)", len(unused), unused[0])
 
     leaves = []
-    for key, var in tqdm(list(flat), desc="loading weights", unit="tensor", leave=False):
-        src = sources[_path_key(key)]
+    for (key, var), (path, src) in tqdm(list(zip(flat, leaf_srcs)), desc="loading weights", unit="tensor", leave=False):
         shape, target = var.shape, var.dtype
-        sharding = sharding_for(_path_key(key), shape)
-        cache: dict = {}
+        sharding = sharding_for(path, shape)
+        if isinstance(src, list):  # stacked: each device's slice is built layer by layer
+            readers = [_slice_reader(ckpt, one, shape[1:], target) for one in src]
 
-        def callback(index, src=src, shape=shape, target=target, cache=cache):
-            if src.per_expert:
-                # Only this device's experts are read; ids past the real count are padding (zeros).
-                start, stop, _ = (index[0] if index else slice(None)).indices(shape[0])
-                real_stop = max(start, min(stop, len(src.names)))
-                part = src.build(ckpt.read, slice(start, real_stop))
-                part = zero_pad_to(part, (stop - start,) + part.shape[1:])
-                rest = (slice(None),) + tuple(index[1:])
-                return np.ascontiguousarray(part[rest]).astype(target)
-            if "full" not in cache:
-                full = zero_pad_to(src.build(ckpt.read, slice(None)), shape)
-                cache["full"] = np.ascontiguousarray(full).astype(target)
-            return cache["full"][index]
-
+            def callback(index, readers=readers, n=shape[0]):
+                layers = range(n)[index[0]] if index else range(n)
+                return np.stack([readers[l](tuple(index[1:])) for l in layers])
+        else:
+            callback = _slice_reader(ckpt, src, shape, target)
         leaves.append(jax.make_array_from_callback(shape, sharding, callback))
     return _replace_leaves(abstract, leaves)
+
+
+def _slice_reader(ckpt, src: ParamSource, shape, target):
+    """index -> the parameter's slice (zero-padded): experts read only the asked-for experts; any
+    other tensor is read once and kept for the other devices' slices."""
+    cache: dict = {}
+
+    def read(index):
+        if src.per_expert:
+            # Only this device's experts are read; ids past the real count are padding (zeros).
+            start, stop, _ = (index[0] if index else slice(None)).indices(shape[0])
+            real_stop = max(start, min(stop, len(src.names)))
+            part = src.build(ckpt.read, slice(start, real_stop))
+            part = zero_pad_to(part, (stop - start,) + part.shape[1:])
+            rest = (slice(None),) + tuple(index[1:])
+            return np.ascontiguousarray(part[rest]).astype(target)
+        if "full" not in cache:
+            full = zero_pad_to(src.build(ckpt.read, slice(None)), shape)
+            cache["full"] = np.ascontiguousarray(full).astype(target)
+        return cache["full"][tuple(index)]
+
+    return read
 
 
 def _dummy_state(abstract, sharding_for, seed: int):
