@@ -84,7 +84,7 @@ def test_two_processes_match_one_across_a_live_switch(model_dir, tmp_path):
     assert got["switches"] == [["dp", "tp", "done"]]
     want = reference(model_dir, "dp")
     assert got["outputs"] == want
-    assert "step command latency" in got["follower_log"]
+    assert "step command lag" in got["follower_log"]
 
 
 def test_killing_a_follower_stops_process_0_with_a_clear_error(model_dir, tmp_path):

@@ -34,7 +34,7 @@ class Follower:
         self.engine, self.channel = engine, channel
         self.ex = engine.executor
         self.outputs: list[jax.Array] = []  # recorded-program outputs since the last swap
-        self.latency_s: list[float] = []  # process 0 send -> received here, per step (same clock only)
+        self.lag_s: list[float] = []  # process 0 sent a step -> taken up here (includes work on earlier commands; same clock only)
         self.num_commands = 0
 
     def run(self) -> None:
@@ -49,17 +49,17 @@ class Follower:
             if handler is None:
                 raise MirrorError(f"unknown command {cmd.op!r} (process 0 runs a different splash-jax version?)")
             handler(cmd)
-        log.info("process %d stopping after %d commands; %s", jax.process_index(), self.num_commands, self.latency_summary())
+        log.info("process %d stopping after %d commands; %s", jax.process_index(), self.num_commands, self.lag_summary())
 
-    def latency_summary(self) -> str:
-        if not self.latency_s:
+    def lag_summary(self) -> str:
+        if not self.lag_s:
             return "no steps"
-        ms = np.asarray(self.latency_s) * 1e3
-        return f"step command latency p50 {np.percentile(ms, 50):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms over {len(ms)} steps"
+        ms = np.asarray(self.lag_s) * 1e3
+        return f"step command lag (sent -> taken up here) p50 {np.percentile(ms, 50):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms over {len(ms)} steps"
 
     # --- commands (leader.py sends them) -----------------------------------------------------
     def _step(self, cmd: Command) -> None:
-        self.latency_s.append(time.time() - cmd.fields["t"])
+        self.lag_s.append(time.time() - cmd.fields["t"])
         a = cmd.arrays
         try:
             inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"])
