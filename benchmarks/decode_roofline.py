@@ -79,6 +79,8 @@ def main(argv=None):
     parser.add_argument("--min-token-bucket", type=int, default=1, help="1: batch-1 decode runs a 1-token step")
     parser.add_argument("--layout", default="tp")
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                        help="decoder layers under lax.scan (default) or unrolled, for the comparison")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -94,7 +96,7 @@ def main(argv=None):
         page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=max(contexts) + 128,
         max_num_seqs=max(batches), max_num_batched_tokens=max(max(batches), 8), warmup=False,
         layout=args.layout, num_devices=args.devices,
-        min_token_bucket=args.min_token_bucket,
+        min_token_bucket=args.min_token_bucket, scan_layers=args.scan_layers,
     ))
     cfg = engine.model_config
     rows = []

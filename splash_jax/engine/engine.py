@@ -436,4 +436,5 @@ class Engine:
             "step_failures": self.num_step_failures,
             "compiled_programs": self.executor.num_compiled,
             "compile_seconds": round(self.executor.compile_seconds, 2),
+            "compile": self.executor.compile_stats.summary(),  # start-up compiles: programs, seconds, cache hits
         }

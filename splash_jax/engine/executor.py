@@ -34,11 +34,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from splash_jax.attention.layouts import ShardedContext
+from splash_jax.compile_stats import CompileStats
 from splash_jax.engine.penalties import PenaltyState, update_history
 from splash_jax.engine.sampler import SamplerWidths, sample
 from splash_jax.engine.step_packer import StepShape, unpack_step
 from splash_jax.kv.cache import KVCache, StepInput
-from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
+from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
 from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class StepExecutor:
         self._compiled: dict[tuple[str, Bucket, bool, bool], object] = {}
         self.num_compiled = 0
         self.compile_seconds = 0.0
+        self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
 
     # --- the device state this class owns -----------------------------------------------------
     @property
@@ -187,7 +189,13 @@ class StepExecutor:
             return KVCache(*base, spec(self.kv.latent, e), spec(self.kv.rope, e))
         return KVCache(*base)
 
+    def program_layout(self, layout: Layout) -> Layout:
+        """The layout whose programs run `layout`: on one device every layout places weights, pages
+        and queries on that device, so TP's programs serve all four (compiled once, not four times)."""
+        return LAYOUTS["tp"] if self.n == 1 else layout
+
     def shape(self, layout: Layout, bucket: Bucket) -> StepShape:
+        layout = self.program_layout(layout)
         return StepShape(
             bucket.tokens, bucket.requests, self.n, self.kv_abstract(layout).num_segments, self.pages_per_request,
             layout.owner_rows, self.widths,
@@ -237,6 +245,7 @@ class StepExecutor:
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""
+        layout = self.program_layout(layout)
         max_tokens, max_requests, min_tokens = self.ladder
         if layout.owner_rows:
             min_tokens = max(1, min_tokens // self.n)
@@ -246,40 +255,47 @@ class StepExecutor:
         self, layouts: list[Layout] | None = None, moving: bool = False, show_progress: bool = True, threads: int = 1,
     ) -> float:
         """Compile every (layout, bucket) program with both samplers (greedy, full) and, when
-        switching, the `moving` variants, in parallel threads."""
-        layouts = layouts or [self.layout]
+        switching, the `moving` variants. threads > 1: lowering stays in this thread (tracing holds
+        the GIL) and each lowered program is compiled in a pool as soon as it is lowered;
+        threads 0: one per CPU."""
+        layouts = list(dict.fromkeys(self.program_layout(l) for l in (layouts or [self.layout])))
         variants = (False, True) if moving and self.move_pages else (False,)
         todo = [(lay, b, m, f) for lay in layouts for b in self.buckets(lay) for m in variants for f in (False, True)
                 if (lay.name, b, m, f) not in self._compiled]
-        t0 = time.perf_counter()
-        workers = max(1, min(len(todo), os.cpu_count() or 1, threads))
-        with tqdm(total=len(todo), desc="compiling steps", unit="program", disable=not show_progress, leave=False) as bar:
+        workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
+        with self.compile_stats.track("steps") as rec, tqdm(
+            total=len(todo), desc="compiling steps", unit="program", disable=not show_progress, leave=False,
+        ) as bar:
             if workers == 1:  # lower and compile one program at a time
                 for lay, b, m, f in todo:
                     self._compiled[(lay.name, b, m, f)] = self.lower(lay, b, m, f).compile()
                     bar.update()
             else:
-                lowered = [(key, self.lower(*key)) for key in todo]  # tracing holds the GIL: do it here
                 # XLA's GPU compiler recurses deeply: a worker thread with the default stack crashed
-                # (segfault) on an H200, so compile threads get a large stack.
+                # (segfault) on an H200, so compile threads get a large stack. The pool starts its
+                # threads lazily in submit(), so the stack size stays set until all are submitted.
                 previous = threading.stack_size(COMPILE_THREAD_STACK)
                 try:
                     pool = concurrent.futures.ThreadPoolExecutor(workers)
+                    futures = {pool.submit(self.lower(*key).compile): key for key in todo}
                 finally:
                     threading.stack_size(previous)
                 with pool:
-                    futures = {pool.submit(low.compile): key for key, low in lowered}
                     for future in concurrent.futures.as_completed(futures):
                         lay, b, m, f = futures[future]
                         self._compiled[(lay.name, b, m, f)] = future.result()
                         bar.update()
-        elapsed = time.perf_counter() - t0
+            rec["programs"] = len(todo)
         self.num_compiled += len(todo)
-        self.compile_seconds += elapsed
-        log.info("compiled %d step programs (%s) in %.1fs with %d threads", len(todo), ",".join(l.name for l in layouts), elapsed, workers)
-        return elapsed
+        self.compile_seconds += rec["seconds"]
+        log.info(
+            "compiled %d step programs (%s) in %.1fs with %d threads (%d from the persistent cache)",
+            len(todo), ",".join(l.name for l in layouts), rec["seconds"], workers, rec["cache_hits"],
+        )
+        return rec["seconds"]
 
     def compiled(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False):
+        layout = self.program_layout(layout)
         key = (layout.name, bucket, moving, full)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up; compiles once per bucket

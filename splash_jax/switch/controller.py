@@ -103,13 +103,17 @@ class SwitchController:
         ex = engine.executor
         layouts = [get_layout(n) for n in ("dp", "tp")]  # one without and one with the extra segment
         self.movers = {}
-        for lay in layouts:
-            structure = ex.kv_abstract(lay).num_segments
-            if structure not in self.movers:
-                self.movers[structure] = PageMover(engine.mesh, ex.kv_abstract(lay), chunk_pages)
         self.resharder = WeightResharder(engine.mesh)
-        self._precompile_weight_programs()
-        self._make_extra = self._extra_segment_program()
+        with ex.compile_stats.track("migration") as rec:
+            for lay in layouts:
+                structure = ex.kv_abstract(lay).num_segments
+                if structure not in self.movers:
+                    self.movers[structure] = PageMover(engine.mesh, ex.kv_abstract(lay), chunk_pages)
+            self._precompile_weight_programs()
+            self._make_extra = self._extra_segment_program()
+            rec["programs"] = len(self.movers) + len(self.resharder._programs) + (self._make_extra is not None)
+        log.info("compiled %d migration programs in %.1fs (%d from the persistent cache)",
+                 rec["programs"], rec["seconds"], rec["cache_hits"])
         self.active: tuple[SwitchHandle, TransitionPlan] | None = None
         self.history: list[SwitchHandle] = []
 
