@@ -79,8 +79,10 @@ def paths(tokens: int):
     return out
 
 
-def looped(fn, sharded_mesh=None):
-    """n dependent layers in one program: carry (x f32, acc f32); layer i uses routing i."""
+def looped(fn, sharded_mesh=None, unroll=False):
+    """n dependent layers in one program: carry (x f32, acc f32); layer i uses routing i.
+    unroll: n static and the loop unrolled (no while loop, whose predicate the host reads each
+    iteration), to compare with the rolled loop a scan over layers produces."""
 
     def layer(x, ids, w, gate, up, down):
         if sharded_mesh is None:
@@ -95,14 +97,14 @@ def looped(fn, sharded_mesh=None):
 
         return part(x, ids, w, gate, up, down)
 
-    @jax.jit
+    @functools.partial(jax.jit, static_argnums=(0,) if unroll else ())
     def run(n, x, ids_all, w_all, gate, up, down):
         def body(i, carry):
             xc, acc = carry
             out = layer(xc.astype(gate.dtype), ids_all[i], w_all[i], gate, up, down)
             return xc + 1e-3 * out, acc + out
 
-        return jax.lax.fori_loop(0, n, body, (x, jnp.zeros_like(x)))
+        return jax.lax.fori_loop(0, n, body, (x, jnp.zeros_like(x)), unroll=unroll)
 
     return run
 
@@ -159,10 +161,11 @@ def make_cases(args, key, mesh):
             for name, fn in paths(t).items():
                 if args.paths and name not in args.paths.split(","):
                     continue
-                cases.append(Case(shape, 1, t, name, looped(fn), (*data, *weights), iters, uniq * expert_bytes))
+                cases.append(Case(shape, 1, t, name, looped(fn, unroll=args.unroll), (*data, *weights), iters,
+                                  uniq * expert_bytes))
                 if sharded is not None and args.sharded_paths and name in args.sharded_paths.split(","):
                     rep = [jax.device_put(a, replicated) for a in data]
-                    cases.append(Case(shape, mesh.size, t, name, looped(fn, mesh), (*rep, *sharded), iters,
+                    cases.append(Case(shape, mesh.size, t, name, looped(fn, mesh, args.unroll), (*rep, *sharded), iters,
                                       uniq * expert_bytes / mesh.size))
     return cases, refs
 
@@ -198,6 +201,7 @@ def main(argv=None):
     parser.add_argument("--tokens", default="1,8,32,128,512")
     parser.add_argument("--paths", default="", help="comma list; empty: all")
     parser.add_argument("--no-sharded", action="store_true")
+    parser.add_argument("--unroll", action="store_true", help="static, unrolled layer loop (no while loop)")
     parser.add_argument("--sharded-paths", default="xla,pallas,mgpu,loop_only")
     parser.add_argument("--profile", default="", help="cases to trace, e.g. v3:8:pallas:1,v3:8:pallas:2 "
                         "(shape:tokens:path:devices): GPU busy and top kernels per layer")
@@ -236,7 +240,8 @@ def main(argv=None):
             log.info("%s", row)
             continue
         try:
-            _, first = exe(1, *c.args)
+            call = (lambda e, n: e(*c.args)) if args.unroll else (lambda e, n: e(n, *c.args))  # noqa: E731
+            _, first = call(exe, 1)
             first = np.asarray(first, np.float64)
             key = (c.shape, c.tokens)
             if c.path == "xla" and c.devices == 1:
@@ -244,11 +249,11 @@ def main(argv=None):
             if key in ref:
                 row["rel_err"] = float(np.linalg.norm(first - ref[key]) / np.linalg.norm(ref[key]))
             row["finite"] = bool(np.isfinite(first).all())
-            loop = exe
+            loop = c.run.lower(c.iters, *c.args).compile() if args.unroll else exe
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                jax.block_until_ready(loop(c.iters, *c.args))
+                jax.block_until_ready(call(loop, c.iters))
                 times.append((time.perf_counter() - t0) / c.iters * 1e3)
             row["ms"] = float(np.median(times[1:] if len(times) > 1 else times))
             row["x_ideal"] = row["ms"] / row["ideal_ms"]
@@ -256,7 +261,7 @@ def main(argv=None):
             if f"{c.shape}:{c.tokens}:{c.path}:{c.devices}" in args.profile.split(","):
                 from benchmarks.profiling import device_busy
 
-                prof = device_busy(lambda: jax.block_until_ready(loop(c.iters, *c.args)), 1, sync=lambda: None)
+                prof = device_busy(lambda: jax.block_until_ready(call(loop, c.iters)), 1, sync=lambda: None)
                 row["busy_ms"] = prof.busy_ms / c.iters if prof.busy_ms else None
                 row["top_kernels_us"] = [(name[:60], us / c.iters) for name, us in prof.top[:8]]
         except Exception as exc:
