@@ -125,6 +125,7 @@ def main(argv=None):
     scans = {"scan": [True], "unrolled": [False], "both": [True, False]}[args.scan]
     switchings = {"on": [True], "off": [False], "both": [False, True]}[args.switching]
     caches = {"cold": ["cold"], "warm": ["cold", "warm"], "both": ["cold", "warm"]}[args.cache]
+    keep = {"cold": {"cold"}, "warm": {"warm"}, "both": {"cold", "warm"}}[args.cache]
     common = ["--layout", args.layout, "--devices", str(args.devices), "--compile-threads", str(args.compile_threads),
               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--max-model-len", str(args.max_model_len), "--load-format", args.load_format, "--dtype", args.dtype]
@@ -152,11 +153,9 @@ def main(argv=None):
                             "per_program_s": c["seconds"] / c["programs"] if c["programs"] else None,
                             "by_kind": c["by_kind"],
                         }
-                        rows.append(row)
+                        if cache in keep:  # (--cache warm runs cold first only to fill the cache)
+                            rows.append(row)
                         log.info("%s", row)
-                    if args.cache == "warm":
-                        rows = [r for r in rows if not (r["cache"] == "cold" and r["layers"] == layers
-                                                        and r["scan"] == scan and r["switching"] == switching)]
     cols = ["layers", "scan", "switching", "cache", "first_token_s", "import_s", "load_s", "compile_s", "programs",
             "cache_hits", "per_program_s"]
     print(table(rows, cols))

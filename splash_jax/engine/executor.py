@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +45,12 @@ log = logging.getLogger(__name__)
 
 COMPILE_THREAD_STACK = 512 * 2**20
 PER_DEVICE_FIELDS = ("token_request", "write_page", "write_offset", "kv_lens", "page_table")
+
+
+def auto_compile_threads() -> int:
+    """One compile thread per CPU on accelerators; 1 on the CPU backend, where XLA's compiler already
+    uses the cores (benchmarks/startup.py: 2 threads were 12% slower on a 2-core host)."""
+    return 1 if jax.default_backend() == "cpu" else (os.cpu_count() or 1)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -257,12 +262,12 @@ class StepExecutor:
         """Compile every (layout, bucket) program with both samplers (greedy, full) and, when
         switching, the `moving` variants. threads > 1: lowering stays in this thread (tracing holds
         the GIL) and each lowered program is compiled in a pool as soon as it is lowered;
-        threads 0: one per CPU."""
+        threads 0: `auto_compile_threads()`."""
         layouts = list(dict.fromkeys(self.program_layout(l) for l in (layouts or [self.layout])))
         variants = (False, True) if moving and self.move_pages else (False,)
         todo = [(lay, b, m, f) for lay in layouts for b in self.buckets(lay) for m in variants for f in (False, True)
                 if (lay.name, b, m, f) not in self._compiled]
-        workers = max(1, min(len(todo), threads or os.cpu_count() or 1))
+        workers = max(1, min(len(todo), threads or auto_compile_threads()))
         with self.compile_stats.track("steps") as rec, tqdm(
             total=len(todo), desc="compiling steps", unit="program", disable=not show_progress, leave=False,
         ) as bar:
