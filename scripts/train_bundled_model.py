@@ -196,7 +196,7 @@ def forward(model: DeepseekForCausalLM, tokens):
         h = layer.post_attn_norm(x)
         if isinstance(layer.mlp, MoE):
             aux = aux + balance_loss(model.cfg, layer.mlp, h)
-            x = x + layer.mlp(h)
+            x = x + layer.mlp(h, None, "xla")  # differentiable path: the Pallas kernels have no VJP
         else:
             assert isinstance(layer.mlp, MLP)
             x = x + layer.mlp(h)
