@@ -71,6 +71,7 @@ def architecture(vocab: int) -> ModelConfig:
 # --- data -----------------------------------------------------------------------------------
 # Licenses whose terms allow redistributing a model trained on the code (with attribution).
 PERMISSIVE = ("apache", "bsd", "mit", "psf", "python software foundation")
+COPYLEFT = ("gpl", "mpl", "epl", "cddl", "eupl", "osl")  # any of these in a license excludes the package
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "encodings", "pydoc_data", "idle_test"}
 
 
@@ -98,7 +99,7 @@ def package_files() -> list[tuple[Path, str, str]]:
     files = []
     for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
         lic = package_license(dist)
-        if not any(k in lic.lower() for k in PERMISSIVE) or not dist.files:
+        if not any(k in lic.lower() for k in PERMISSIVE) or any(k in lic.lower() for k in COPYLEFT) or not dist.files:
             continue
         own = [Path(dist.locate_file(f)) for f in dist.files if str(f).endswith(".py")]
         own = [p for p in own if p.is_file() and "__pycache__" not in p.parts]
