@@ -87,7 +87,7 @@ class Engine:
 
         t0 = time.perf_counter()
         path = Path(config.model) if config.model else DEFAULT_MODEL
-        options = RuntimeOptions(dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.scan_layers)
+        options = RuntimeOptions(dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.resolved_scan_layers(backend))
         self.model = model or load_model(
             path, options, sharding_for=param_sharding_fn(self.layout, self.mesh),
             load_format=config.load_format, seed=config.seed,
