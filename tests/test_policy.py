@@ -42,8 +42,9 @@ def test_a_context_longer_than_one_device_leaves_only_context_parallel(engine):
 
 
 def test_many_short_requests_prefer_data_parallel_attention(engine):
-    # With this model's tiny attention weights, replicating them costs less than any exchange.
-    assert best(engine, Load(8, 800, 100))[0] == "dp"
+    # Sixteen short requests: replicating this model's attention weights (DP) costs less than
+    # exchanging queries and outputs every layer (DOP, CP) or replicating every cache (TP).
+    assert best(engine, Load(16, 1600, 100))[0] == "dp"
 
 
 def test_memory_pressure_excludes_layouts_that_cannot_hold_the_load(engine):
