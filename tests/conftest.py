@@ -16,3 +16,18 @@ if _cache:
     jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each module, drop its engines' executables: every XLA:CPU executable keeps a few
+    memory mappings per kernel, and a whole suite in one process otherwise approaches the
+    kernel's vm.max_map_count (65,530; LLVM then fails with "Unable to allocate section memory")."""
+    yield
+    gc.collect()
+    jax.clear_caches()
