@@ -4,6 +4,7 @@ preemption and cancellation leave the engine consistent."""
 
 import gc
 import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,7 +17,11 @@ from splash_jax.mesh.layouts import LAYOUT_NAMES
 from splash_jax.switch.controller import SwitchState
 
 N = 8
-KW = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=40, compile_cache_dir=None, num_devices=N)
+# The random 3-layer model the bundled model used to be: these tests size pools in pages (max_pages)
+# against its KV and weight bytes, so its shapes are fixed here (tests/fixtures/splash_tiny_random).
+RANDOM_TINY = str(Path(__file__).parent / "fixtures" / "splash_tiny_random")
+KW = dict(model=RANDOM_TINY, page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=40,
+          compile_cache_dir=None, num_devices=N)
 PROMPTS = [
     "Latent attention keeps one vector per token.",
     "Switch the layout while requests run",
