@@ -79,8 +79,8 @@ def main(argv=None):
     parser.add_argument("--min-token-bucket", type=int, default=1, help="1: batch-1 decode runs a 1-token step")
     parser.add_argument("--layout", default="tp")
     parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                        help="decoder layers under lax.scan (default) or unrolled, for the comparison")
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="decoder layers under lax.scan or unrolled (default: the engine's for the backend)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)

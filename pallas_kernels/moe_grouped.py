@@ -18,6 +18,11 @@ and XLA sums each token's k rows of y. Column blocks are the fastest grid axis, 
 one expert (several only when it has > block_m pairs) run in the same wave and share its weights
 through L2. Accumulation is float32. With 1 token there are k live tiles: the kernel reads exactly
 the k routed experts' gate/up/down (the XLA gather path read them ~11x slower, DESIGN section 3).
+
+The weights may be one layer's [E, I, D] or a scanned layer group's stacked [L, E, I, D] with the
+layer index given: the kernel then reads its layer's experts straight from the stack. (A per-layer
+slice of a stack handed to a custom call is first copied whole by XLA: 0.57 ms per V2-Lite layer
+on an H200, more than the kernel itself.)
 """
 
 from __future__ import annotations
@@ -85,12 +90,12 @@ def plan_tiles(ids: jax.Array, weights: jax.Array, num_local: int, block_m: int)
     return TilePlan(slot_token, slot_weight, tile_expert, tile_live, slot.reshape(t, k))
 
 
-def _gate_up_kernel(te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, o_ref, *, block_i, block_d, dim):
+def _gate_up_kernel(layer_ref, te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, o_ref, *, block_i, block_d, dim):
     i, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(tl_ref[j] > 0)
     def _():
-        e = te_ref[j]
+        layer, e = layer_ref[0], te_ref[j]
         cols = pl.ds(pl.multiple_of(i * block_i, block_i), block_i)
         block_m = x_ref.shape[0]
 
@@ -99,8 +104,8 @@ def _gate_up_kernel(te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, o_ref, *, bl
             ds = pl.ds(pl.multiple_of(d * block_d, block_d), block_d)
             xt = x_ref[:, ds]
             nt = (((1,), (1,)), ((), ()))
-            g_acc += lax.dot_general(xt, gate_ref[e, cols, ds], nt, preferred_element_type=jnp.float32)
-            u_acc += lax.dot_general(xt, up_ref[e, cols, ds], nt, preferred_element_type=jnp.float32)
+            g_acc += lax.dot_general(xt, gate_ref[layer, e, cols, ds], nt, preferred_element_type=jnp.float32)
+            u_acc += lax.dot_general(xt, up_ref[layer, e, cols, ds], nt, preferred_element_type=jnp.float32)
             return g_acc, u_acc
 
         zero = jnp.zeros((block_m, block_i), jnp.float32)
@@ -109,17 +114,17 @@ def _gate_up_kernel(te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, o_ref, *, bl
         o_ref[...] = h.astype(o_ref.dtype)
 
 
-def _down_kernel(te_ref, tl_ref, h_ref, down_ref, o_ref, *, block_i, block_d, inter):
+def _down_kernel(layer_ref, te_ref, tl_ref, h_ref, down_ref, o_ref, *, block_i, block_d, inter):
     d, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(tl_ref[j] > 0)
     def _():
-        e = te_ref[j]
+        layer, e = layer_ref[0], te_ref[j]
         cols = pl.ds(pl.multiple_of(d * block_d, block_d), block_d)
 
         def body(i, acc):
             rs = pl.ds(pl.multiple_of(i * block_i, block_i), block_i)
-            return acc + lax.dot_general(h_ref[:, rs], down_ref[e, rs, cols], (((1,), (0,)), ((), ())),
+            return acc + lax.dot_general(h_ref[:, rs], down_ref[layer, e, rs, cols], (((1,), (0,)), ((), ())),
                                          preferred_element_type=jnp.float32)
 
         acc = lax.fori_loop(0, inter // block_i, body, jnp.zeros((h_ref.shape[0], block_d), jnp.float32))
@@ -174,14 +179,24 @@ def supports(dim: int, inter: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def routed_experts(x, ids, weights, gate, up, down, *, config: Config | None = None, interpret: bool = False):
+def routed_experts(x, ids, weights, gate, up, down, layer=None, *, config: Config | None = None,
+                   interpret: bool = False):
     """sum_k weights[t,k] * down[e]^T (silu(gate[e] x_t) * up[e] x_t) with e = ids[t,k].
 
     x [T,D]; ids [T,k] local expert ids (others' experts: < 0 or >= E, contribute 0); weights
-    [T,k]; gate/up/down [E,I,D] (HF [out,in] for gate/up). Returns [T,D] in x.dtype.
+    [T,k]; gate/up/down [E,I,D] (HF [out,in] for gate/up), or stacked [L,E,I,D] with `layer` (an
+    int32 scalar, may be traced) picking the layer. Returns [T,D] in x.dtype.
     """
+    if gate.ndim == 3:  # one layer: a leading axis of 1 is a free reshape
+        if layer is not None:
+            raise ValueError("layer is given but the expert weights are not stacked [L, E, I, D]")
+        gate, up, down = gate[None], up[None], down[None]
+        layer = 0
+    elif layer is None:
+        raise ValueError(f"stacked expert weights {gate.shape} need the layer index")
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     t, d = x.shape
-    e_local, inter, _ = gate.shape
+    _, e_local, inter, _ = gate.shape
     k = ids.shape[1]
     cfg = fit_config(config, d, inter) if config else pick_config(t * k, e_local, d, inter)
     if inter % cfg.gu_block_i or inter % cfg.dn_block_i or d % cfg.gu_block_d or d % cfg.dn_block_d:
@@ -196,7 +211,7 @@ def routed_experts(x, ids, weights, gate, up, down, *, config: Config | None = N
         functools.partial(_gate_up_kernel, block_i=cfg.gu_block_i, block_d=cfg.gu_block_d, dim=d),
         grid=(inter // cfg.gu_block_i, nt),
         in_specs=[
-            full(plan.tile_expert), full(plan.tile_live),
+            full(layer), full(plan.tile_expert), full(plan.tile_live),
             pl.BlockSpec((cfg.block_m, d), lambda c, j: (j, 0)),
             pl.BlockSpec((cfg.block_m,), lambda c, j: (j,)),
             full(gate), full(up),
@@ -206,12 +221,12 @@ def routed_experts(x, ids, weights, gate, up, down, *, config: Config | None = N
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up",
-    )(plan.tile_expert, plan.tile_live, xs, plan.slot_weight, gate, up)
+    )(layer, plan.tile_expert, plan.tile_live, xs, plan.slot_weight, gate, up)
     y = pl.pallas_call(
         functools.partial(_down_kernel, block_i=cfg.dn_block_i, block_d=cfg.dn_block_d, inter=inter),
         grid=(d // cfg.dn_block_d, nt),
         in_specs=[
-            full(plan.tile_expert), full(plan.tile_live),
+            full(layer), full(plan.tile_expert), full(plan.tile_live),
             pl.BlockSpec((cfg.block_m, inter), lambda c, j: (j, 0)),
             full(down),
         ],
@@ -220,7 +235,7 @@ def routed_experts(x, ids, weights, gate, up, down, *, config: Config | None = N
         compiler_params=params,
         interpret=interpret,
         name="moe_down",
-    )(plan.tile_expert, plan.tile_live, h, down)
+    )(layer, plan.tile_expert, plan.tile_live, h, down)
     # Rows of dead tiles are never written: read only the pairs' own rows, masked when not local.
     local = plan.pair_slot < rows
     picked = y[jnp.clip(plan.pair_slot, 0, rows - 1)].astype(jnp.float32)

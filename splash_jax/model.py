@@ -144,11 +144,12 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.arrays.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos_sin, pools, batch, ctx):
+    def __call__(self, x, cos_sin, pools, batch, ctx, stack_index=None):
+        """stack_index: under scan, this layer's index in its group (the expert weights stay stacked)."""
         a, pools = ctx.attention(self.attn, self.input_norm(x), cos_sin, pools, batch)
         x = x + a
         h = self.post_attn_norm(x)
-        mlp = self.mlp(h, ctx.expert_offset) if isinstance(self.mlp, MoE) else self.mlp(h)
+        mlp = self.mlp(h, ctx.expert_offset, layer=stack_index) if isinstance(self.mlp, MoE) else self.mlp(h)
         return x + ctx.reduce(mlp), pools
 
 
@@ -189,16 +190,19 @@ class DeepseekForCausalLM(nnx.Module):
         cos_sin = self.rope_cos_sin(batch.positions)
         pools, pages, num_layers = kv.flat(), kv.pages_per_segment(), kv.num_layers
 
-        def run_layer(layer, index, x, pools):
-            return layer(x, cos_sin, pools, layer_batch(batch, index, pages, num_layers), ctx)
+        def run_layer(layer, index, x, pools, stack_index=None):
+            return layer(x, cos_sin, pools, layer_batch(batch, index, pages, num_layers), ctx, stack_index)
 
         if self.options.scan_layers:
             for name, indices in layer_groups(self.cfg).items():
-                graphdef, state = nnx.split(getattr(self, name))
+                # Routed-expert tensors are not scanned over: the layer reads its slice of the
+                # stack by index (a scanned slice is copied whole before a kernel reads it).
+                graphdef, experts, state = nnx.split(getattr(self, name), _is_routed_expert, ...)
 
-                def body(carry, xs, graphdef=graphdef):
+                def body(carry, xs, graphdef=graphdef, experts=experts, start=indices.start):
                     layer_state, index = xs
-                    return run_layer(nnx.merge(graphdef, layer_state), index, *carry), None
+                    layer = nnx.merge(graphdef, layer_state, experts)
+                    return run_layer(layer, index, *carry, stack_index=index - start), None
 
                 index = jnp.arange(indices.start, indices.stop, dtype=jnp.int32)
                 (x, pools), _ = jax.lax.scan(body, (x, pools), (state, index))
@@ -229,6 +233,13 @@ class DeepseekForCausalLM(nnx.Module):
             cfg.num_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
             jnp.dtype(self.options.dtype), sharding, extra_pages,
         )
+
+
+ROUTED_EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down")
+
+
+def _is_routed_expert(path, _value) -> bool:
+    return bool(path) and path[-1] in ROUTED_EXPERT_PARAMS
 
 
 def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:

@@ -156,52 +156,66 @@ class MoE(nnx.Module):
         if cfg.n_shared_experts:
             self.shared = MLP(d, cfg.arrays.shared_intermediate_size, dtype, rngs)
 
-    def __call__(self, x, expert_offset=None, impl: str = "auto"):
+    def __call__(self, x, expert_offset=None, impl: str = "auto", layer=None):
         """Routed + shared experts. With experts sharded, `expert_offset(num_local)` gives this
         device's first expert id and the result is this device's partial sum. `impl` picks the
         routed-expert path (module doc); the shared experts stay an XLA MLP (dense GEMMs that
-        already run at HBM bandwidth; benchmarks/moe.py measures them)."""
+        already run at HBM bandwidth; benchmarks/moe.py measures them). `layer`: see `routed`."""
         cfg = self.cfg
-        num_local = self.experts_gate.shape[0]
+        num_local = self.experts_gate.shape[-3]
         offset = expert_offset(num_local) if expert_offset else 0
         logits = jnp.dot(x.astype(jnp.float32), self.router[...])
         bias = self.router_bias[...] if cfg.topk_method == "noaux_tc" else None
         ids, weights = route(cfg, logits, bias)
-        out = self.routed(x, ids - offset, weights, impl)
+        out = self.routed(x, ids - offset, weights, impl, layer)
         if cfg.n_shared_experts:
             out = out + self.shared(x)
         return out
 
-    def routed(self, x, local, weights, impl: str = "auto"):
-        """Routed experts for local ids [T,k] (outside [0, num_local): another device's expert)."""
-        num_local, inter, dim = self.experts_gate.shape
+    def routed(self, x, local, weights, impl: str = "auto", layer=None):
+        """Routed experts for local ids [T,k] (outside [0, num_local): another device's expert).
+
+        `layer` (int32 scalar, may be traced): the expert weights are a scanned group's stacked
+        [L, E, I, D] and this is the layer to use. The Pallas kernel reads it from the stack in
+        place; the XLA paths slice it out (what a scan over the weights would do)."""
+        num_local, inter, dim = self.experts_gate.shape[-3:]
         backend = jax.default_backend()
         impl = resolve_moe_impl(impl, backend, x.shape[0], local.shape[1], num_local, dim, inter)
         experts = (self.experts_gate[...], self.experts_up[...], self.experts_down[...])
         if impl == "pallas":
             from pallas_kernels.moe_grouped import routed_experts
 
-            return routed_experts(x, local, weights, *experts, interpret=backend != "gpu")
+            return routed_experts(x, local, weights, *experts, layer, interpret=backend != "gpu")
+        if layer is not None:
+            experts = tuple(jax.lax.dynamic_index_in_dim(w, layer, keepdims=False) for w in experts)
         if impl == "ragged":
             return ragged_routed(x, local, weights, *experts)
         if impl == "mgpu":
             return mgpu_routed(x, local, weights, *experts)
         weights = jnp.where((local >= 0) & (local < num_local), weights, 0.0)
         local = jnp.clip(local, 0, num_local - 1)
-        return self._gathered(x, local, weights) if impl == "gathered" else self._dense(x, local, weights)
+        return _gathered(x, local, weights, *experts) if impl == "gathered" else _dense(x, local, weights, *experts)
 
     def _gathered(self, x, ids, weights):
-        """Few tokens: read only the chosen experts' weights (decode at small batch is weight-read bound)."""
-        gate, up, down = self.experts_gate[...][ids], self.experts_up[...][ids], self.experts_down[...][ids]
-        h = jax.nn.silu(jnp.einsum("td,tkid->tki", x, gate)) * jnp.einsum("td,tkid->tki", x, up)
-        h = h * weights.astype(h.dtype)[..., None]
-        return jnp.einsum("tki,tkid->td", h, down)
+        return _gathered(x, ids, weights, self.experts_gate[...], self.experts_up[...], self.experts_down[...])
 
     def _dense(self, x, ids, weights):
-        """Many tokens: every expert over every token with a sparse combine weight (exact)."""
-        combine = jnp.zeros((x.shape[0], self.experts_gate.shape[0]), jnp.float32)
-        combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-        h = jax.nn.silu(jnp.einsum("td,eid->tei", x, self.experts_gate[...]))
-        h = h * jnp.einsum("td,eid->tei", x, self.experts_up[...])
-        h = h * combine.astype(h.dtype)[..., None]
-        return jnp.einsum("tei,eid->td", h, self.experts_down[...])
+        return _dense(x, ids, weights, self.experts_gate[...], self.experts_up[...], self.experts_down[...])
+
+
+def _gathered(x, ids, weights, gate, up, down):
+    """Few tokens: read only the chosen experts' weights (decode at small batch is weight-read bound)."""
+    gate, up, down = gate[ids], up[ids], down[ids]
+    h = jax.nn.silu(jnp.einsum("td,tkid->tki", x, gate)) * jnp.einsum("td,tkid->tki", x, up)
+    h = h * weights.astype(h.dtype)[..., None]
+    return jnp.einsum("tki,tkid->td", h, down)
+
+
+def _dense(x, ids, weights, gate, up, down):
+    """Many tokens: every expert over every token with a sparse combine weight (exact)."""
+    combine = jnp.zeros((x.shape[0], gate.shape[0]), jnp.float32)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+    h = jax.nn.silu(jnp.einsum("td,eid->tei", x, gate))
+    h = h * jnp.einsum("td,eid->tei", x, up)
+    h = h * combine.astype(h.dtype)[..., None]
+    return jnp.einsum("tei,eid->td", h, down)

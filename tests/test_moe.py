@@ -125,6 +125,24 @@ def test_pallas_grouped_kernel_matches_numpy_loop(tokens, top_k):
     np.testing.assert_allclose(np.asarray(out), _numpy_routed(x, ids, w, gate, up, down), rtol=1e-5, atol=1e-5)
 
 
+def test_pallas_kernel_reads_one_layer_of_a_stack():
+    """Stacked [L,E,I,D] weights + a traced layer index (the scanned model's call) == that layer alone."""
+    from pallas_kernels.moe_grouped import routed_experts
+
+    rng = np.random.default_rng(11)
+    layers, e, i, d = 3, 8, 32, 64
+    x = rng.standard_normal((6, d)).astype(np.float32)
+    ids = rng.integers(-1, e + 1, (6, 2)).astype(np.int32)
+    w = rng.random((6, 2)).astype(np.float32)
+    stack = [(rng.standard_normal((layers, e, i, d)) * 0.1).astype(np.float32) for _ in range(3)]
+    run = jax.jit(lambda layer: routed_experts(*map(jnp.asarray, (x, ids, w, *stack)), layer, interpret=True))
+    for layer in range(layers):
+        want = _numpy_routed(x, ids, w, *(s[layer] for s in stack))
+        np.testing.assert_allclose(np.asarray(run(jnp.int32(layer))), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="need the layer index"):
+        routed_experts(*map(jnp.asarray, (x, ids, w, *stack)), interpret=True)
+
+
 @pytest.mark.parametrize("small_pairs", [512, 0])  # compare-and-sum plan; sort plan
 def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert(small_pairs, monkeypatch):
     from pallas_kernels import moe_grouped
