@@ -78,6 +78,23 @@ def test_dummy_weights_have_checkpoint_shapes():
     assert np.std(b[("moe_layers", "attn", "w_uk")][0]) > 0
 
 
+def test_large_dummy_leaves_are_generated_per_layer_with_the_same_statistics(monkeypatch):
+    """Stacks over the threshold are made one layer at a time (bounded temporaries): same shapes,
+    every layer different, std 0.02 like the whole-array path."""
+    from splash_jax.weights import loader
+
+    monkeypatch.setattr(loader, "CHUNKED_INIT_ELEMENTS", 1000)
+    loader._leaf_program.cache_clear()
+    try:
+        dummy = _params(load_model(FIXTURE, OPTS, load_format="dummy"))
+    finally:
+        loader._leaf_program.cache_clear()
+    gate = dummy[("moe_layers", "mlp", "experts_gate")]
+    assert gate.ndim == 4 and gate.size > 1000
+    assert not np.array_equal(gate[0], gate[1])
+    np.testing.assert_allclose(np.std(gate), 0.02, rtol=0.05)
+
+
 def _copy_fixture(tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(FIXTURE, dst)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -177,6 +178,9 @@ def _dummy_state(abstract, sharding_for, seed: int):
     return _replace_leaves(abstract, leaves)
 
 
+CHUNKED_INIT_ELEMENTS = 1 << 28  # dummy leaves above this are generated one leading-axis slice at a time
+
+
 def _random_leaf(shape, dtype, sharding, ones: bool, std: float, key):
     return _leaf_program(shape, dtype, sharding, ones, std)(key)
 
@@ -185,10 +189,18 @@ def _random_leaf(shape, dtype, sharding, ones: bool, std: float, key):
 def _leaf_program(shape, dtype, sharding, ones: bool, std: float):
     """One compiled initializer per distinct (shape, dtype, sharding, kind): layers share them."""
 
+    def normal(k, shape):
+        return (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
+
     def make(k):
         if ones:
             return jnp.ones(shape, dtype)
-        return (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
+        if len(shape) >= 3 and math.prod(shape) > CHUNKED_INIT_ELEMENTS:
+            # A stacked layer group (V2-Lite's routed experts: 26 x 1.1 GB): one slice of the leading
+            # axis at a time, so the float32 temporaries are a slice's, not the stack's. Whole-stack
+            # temporaries fragmented the allocator enough that a 40 GiB KV pool no longer fit.
+            return jax.lax.map(lambda kk: normal(kk, shape[1:]), jax.random.split(k, shape[0]))
+        return normal(k, shape)
 
     return jax.jit(make, out_shardings=sharding)
 
