@@ -41,9 +41,9 @@ class EngineConfig:
     compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
     warmup: bool = True  # compile every bucket at start-up
     compile_threads: int = 0  # parallel ahead-of-time compiles; 0 = auto: one per CPU on GPU/TPU, 1 on CPU (measured: no gain)
-    # Decoder layers under lax.scan (compile time independent of depth) or unrolled. None: scanned
-    # except on GPUs, where XLA copies every per-layer weight slice before its kernel under scan
-    # (V2-Lite 27 layers, batch 64 on an H200: 25.4 ms vs 10.3 ms per step; docs/startup.md).
+    # Decoder layers under lax.scan (compile time independent of depth) or unrolled. None: scanned.
+    # On GPUs the scanned step gets cuBLAS GEMMs with dynamic-slice fusion (executor.SCANNED_GPU_OPTIONS)
+    # and the MoE kernel reads the expert stacks in place; docs/startup.md has the H200 numbers.
     scan_layers: bool | None = None
 
     def resolved_dtype(self, backend: str) -> str:
@@ -52,7 +52,7 @@ class EngineConfig:
         return "float32" if backend == "cpu" else "bfloat16"
 
     def resolved_scan_layers(self, backend: str) -> bool:
-        return self.scan_layers if self.scan_layers is not None else backend != "gpu"
+        return self.scan_layers if self.scan_layers is not None else True
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -120,6 +120,19 @@ class StepResult:
     top_logprobs: jax.Array
 
 
+# Scanned layers on GPUs: a layer's weights are slices of the stacks, and XLA copies a slice whole
+# before a Triton GEMM fusion reads it (~62 MB per V2-Lite layer, 1.15 ms per step at 27 layers
+# on an H200). cuBLAS GEMMs with dynamic-slice fusion read the slice in place: with these options
+# the scanned step measured 5.46 / 11.06 / 12.92 ms at batch 1 / 32 / 128 (unrolled default
+# 6.00 / 10.73 / 12.95; docs/startup.md). The Pallas kernels are not affected.
+SCANNED_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
+
+
+def step_compiler_options(backend: str, scan_layers: bool) -> dict:
+    """XLA options for the step programs (per compile, so a notebook's other programs keep theirs)."""
+    return dict(SCANNED_GPU_OPTIONS) if backend == "gpu" and scan_layers else {}
+
+
 class StepExecutor:
     def __init__(
         self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
@@ -150,6 +163,8 @@ class StepExecutor:
         self.num_compiled = 0
         self.compile_seconds = 0.0
         self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
+        backend = mesh.devices.flat[0].platform
+        self.compiler_options = step_compiler_options(backend, getattr(model.options, "scan_layers", False))
 
     # --- the device state this class owns -----------------------------------------------------
     @property
@@ -248,6 +263,9 @@ class StepExecutor:
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
         return fn.lower(*args)
 
+    def _compile(self, lowered):
+        return lowered.compile(compiler_options=self.compiler_options or None)
+
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""
         layout = self.program_layout(layout)
@@ -273,7 +291,7 @@ class StepExecutor:
         ) as bar:
             if workers == 1:  # lower and compile one program at a time
                 for lay, b, m, f in todo:
-                    self._compiled[(lay.name, b, m, f)] = self.lower(lay, b, m, f).compile()
+                    self._compiled[(lay.name, b, m, f)] = self._compile(self.lower(lay, b, m, f))
                     bar.update()
             else:
                 # XLA's GPU compiler recurses deeply: a worker thread with the default stack crashed
@@ -282,7 +300,7 @@ class StepExecutor:
                 previous = threading.stack_size(COMPILE_THREAD_STACK)
                 try:
                     pool = concurrent.futures.ThreadPoolExecutor(workers)
-                    futures = {pool.submit(self.lower(*key).compile): key for key in todo}
+                    futures = {pool.submit(self._compile, self.lower(*key)): key for key in todo}
                 finally:
                     threading.stack_size(previous)
                 with pool:
@@ -304,7 +322,7 @@ class StepExecutor:
         key = (layout.name, bucket, moving, full)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up; compiles once per bucket
-            program = self._compiled[key] = self.lower(layout, bucket, moving, full).compile()
+            program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full))
             self.num_compiled += 1
         return program
 
