@@ -90,7 +90,11 @@ def plan_tiles(ids: jax.Array, weights: jax.Array, num_local: int, block_m: int)
     return TilePlan(slot_token, slot_weight, tile_expert, tile_live, slot.reshape(t, k))
 
 
-def _gate_up_kernel(layer_ref, te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, o_ref, *, block_i, block_d, dim):
+def _gate_up_kernel(*refs, block_i, block_d, dim, scale_block):
+    if scale_block:
+        layer_ref, te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, gs_ref, us_ref, o_ref = refs
+    else:
+        layer_ref, te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, o_ref = refs
     i, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(tl_ref[j] > 0)
@@ -104,9 +108,15 @@ def _gate_up_kernel(layer_ref, te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, o
             ds = pl.ds(pl.multiple_of(d * block_d, block_d), block_d)
             xt = x_ref[:, ds]
             nt = (((1,), (1,)), ((), ()))
-            g_acc += lax.dot_general(xt, gate_ref[layer, e, cols, ds], nt, preferred_element_type=jnp.float32)
-            u_acc += lax.dot_general(xt, up_ref[layer, e, cols, ds], nt, preferred_element_type=jnp.float32)
-            return g_acc, u_acc
+            gw, uw = gate_ref[layer, e, cols, ds], up_ref[layer, e, cols, ds]
+            if scale_block:  # FP8 tile -> activation dtype (exact), its block's scale on the product
+                gw, uw = gw.astype(xt.dtype), uw.astype(xt.dtype)
+            g = lax.dot_general(xt, gw, nt, preferred_element_type=jnp.float32)
+            u = lax.dot_general(xt, uw, nt, preferred_element_type=jnp.float32)
+            if scale_block:
+                si, sd = (i * block_i) // scale_block, (d * block_d) // scale_block
+                g, u = g * gs_ref[layer, e, si, sd], u * us_ref[layer, e, si, sd]
+            return g_acc + g, u_acc + u
 
         zero = jnp.zeros((block_m, block_i), jnp.float32)
         g, u = lax.fori_loop(0, dim // block_d, body, (zero, zero))
@@ -114,7 +124,11 @@ def _gate_up_kernel(layer_ref, te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, o
         o_ref[...] = h.astype(o_ref.dtype)
 
 
-def _down_kernel(layer_ref, te_ref, tl_ref, h_ref, down_ref, o_ref, *, block_i, block_d, inter):
+def _down_kernel(*refs, block_i, block_d, inter, scale_block):
+    if scale_block:
+        layer_ref, te_ref, tl_ref, h_ref, down_ref, ds_ref, o_ref = refs
+    else:
+        layer_ref, te_ref, tl_ref, h_ref, down_ref, o_ref = refs
     d, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(tl_ref[j] > 0)
@@ -124,8 +138,13 @@ def _down_kernel(layer_ref, te_ref, tl_ref, h_ref, down_ref, o_ref, *, block_i, 
 
         def body(i, acc):
             rs = pl.ds(pl.multiple_of(i * block_i, block_i), block_i)
-            return acc + lax.dot_general(h_ref[:, rs], down_ref[layer, e, rs, cols], (((1,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+            ht, w = h_ref[:, rs], down_ref[layer, e, rs, cols]
+            if scale_block:
+                w = w.astype(ht.dtype)
+            part = lax.dot_general(ht, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            if scale_block:
+                part = part * ds_ref[layer, e, (i * block_i) // scale_block, (d * block_d) // scale_block]
+            return acc + part
 
         acc = lax.fori_loop(0, inter // block_i, body, jnp.zeros((h_ref.shape[0], block_d), jnp.float32))
         o_ref[...] = acc.astype(o_ref.dtype)
@@ -148,14 +167,16 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
-def fit_config(cfg: Config, dim: int, inter: int) -> Config:
+def fit_config(cfg: Config, dim: int, inter: int, scale_block: int = 0) -> Config:
     """Shrink each block to a power of two dividing its axis (a block that does not divide it
-    would drop the remainder of the reduction or the output)."""
+    would drop the remainder of the reduction or the output); with FP8 weights, to at most the
+    scale block, so every tile lies inside one scale block."""
+    cap = (lambda b: min(b, scale_block)) if scale_block else (lambda b: b)  # noqa: E731
     return cfg._replace(
-        gu_block_i=_largest_pow2_divisor(inter, cfg.gu_block_i),
-        gu_block_d=_largest_pow2_divisor(dim, cfg.gu_block_d),
-        dn_block_d=_largest_pow2_divisor(dim, cfg.dn_block_d),
-        dn_block_i=_largest_pow2_divisor(inter, cfg.dn_block_i),
+        gu_block_i=_largest_pow2_divisor(inter, cap(cfg.gu_block_i)),
+        gu_block_d=_largest_pow2_divisor(dim, cap(cfg.gu_block_d)),
+        dn_block_d=_largest_pow2_divisor(dim, cap(cfg.dn_block_d)),
+        dn_block_i=_largest_pow2_divisor(inter, cap(cfg.dn_block_i)),
     )
 
 
@@ -173,24 +194,35 @@ def pick_config(num_pairs: int, num_local: int, dim: int, inter: int) -> Config:
     )
 
 
-def supports(dim: int, inter: int) -> bool:
-    """Compiled kernels need power-of-two blocks of >= 16 dividing D and I."""
-    return dim % 16 == 0 and inter % 16 == 0
+def supports(dim: int, inter: int, scale_block: int = 0) -> bool:
+    """Compiled kernels need power-of-two blocks of >= 16 dividing D and I (and, with FP8 weights,
+    dividing the scale block, a power of two)."""
+    ok = dim % 16 == 0 and inter % 16 == 0
+    return ok and (not scale_block or (scale_block >= 16 and scale_block & (scale_block - 1) == 0))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def routed_experts(x, ids, weights, gate, up, down, layer=None, *, config: Config | None = None,
-                   interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "scale_block"))
+def routed_experts(x, ids, weights, gate, up, down, layer=None, scales=None, *, scale_block: int = 0,
+                   config: Config | None = None, interpret: bool = False):
     """sum_k weights[t,k] * down[e]^T (silu(gate[e] x_t) * up[e] x_t) with e = ids[t,k].
 
     x [T,D]; ids [T,k] local expert ids (others' experts: < 0 or >= E, contribute 0); weights
     [T,k]; gate/up/down [E,I,D] (HF [out,in] for gate/up), or stacked [L,E,I,D] with `layer` (an
     int32 scalar, may be traced) picking the layer. Returns [T,D] in x.dtype.
+
+    FP8 weights: gate/up/down in float8_e4m3fn and `scales` = their float32 block scales
+    ([L,] E, ceil(I/b), ceil(D/b)) for square blocks of `scale_block` (DeepSeek's 128): weight
+    (i, d) = value * scale[i // b, d // b]. Tiles are converted to x's dtype in the kernel (exact)
+    and each block's partial product is scaled, so HBM holds and the kernel reads 1 byte per weight.
     """
+    fp8 = scales is not None
+    if fp8 != bool(scale_block):
+        raise ValueError("FP8 expert weights need both `scales` and `scale_block`")
     if gate.ndim == 3:  # one layer: a leading axis of 1 is a free reshape
         if layer is not None:
             raise ValueError("layer is given but the expert weights are not stacked [L, E, I, D]")
         gate, up, down = gate[None], up[None], down[None]
+        scales = tuple(sc[None] for sc in scales) if fp8 else None
         layer = 0
     elif layer is None:
         raise ValueError(f"stacked expert weights {gate.shape} need the layer index")
@@ -198,44 +230,53 @@ def routed_experts(x, ids, weights, gate, up, down, layer=None, *, config: Confi
     t, d = x.shape
     _, e_local, inter, _ = gate.shape
     k = ids.shape[1]
-    cfg = fit_config(config, d, inter) if config else pick_config(t * k, e_local, d, inter)
+    if fp8:
+        want = (gate.shape[0], e_local, -(-inter // scale_block), -(-d // scale_block))
+        if any(sc.shape != want for sc in scales):
+            raise ValueError(f"FP8 scales {[sc.shape for sc in scales]} do not match {want} for {scale_block}-blocks")
+    cfg = fit_config(config or pick_config(t * k, e_local, d, inter), d, inter, scale_block)
     if inter % cfg.gu_block_i or inter % cfg.dn_block_i or d % cfg.gu_block_d or d % cfg.dn_block_d:
         raise ValueError(f"MoE kernel blocks must divide D={d} and I={inter}: {cfg}")
+    compute = x.dtype if fp8 else gate.dtype  # the dtype the tiles are multiplied in
     plan = plan_tiles(ids, weights, e_local, cfg.block_m)
     nt = plan.tile_expert.shape[0]
     rows = nt * cfg.block_m
-    xs = x.astype(gate.dtype)[plan.slot_token]
+    xs = x.astype(compute)[plan.slot_token]
     full = lambda a: pl.BlockSpec(a.shape, lambda c, j: (0,) * a.ndim)  # noqa: E731
     params = _compat.triton_params(cfg.num_warps, cfg.num_stages)
+    gate_scales = (scales[0], scales[1]) if fp8 else ()
+    down_scales = (scales[2],) if fp8 else ()
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, block_i=cfg.gu_block_i, block_d=cfg.gu_block_d, dim=d),
+        functools.partial(_gate_up_kernel, block_i=cfg.gu_block_i, block_d=cfg.gu_block_d, dim=d,
+                          scale_block=scale_block),
         grid=(inter // cfg.gu_block_i, nt),
         in_specs=[
             full(layer), full(plan.tile_expert), full(plan.tile_live),
             pl.BlockSpec((cfg.block_m, d), lambda c, j: (j, 0)),
             pl.BlockSpec((cfg.block_m,), lambda c, j: (j,)),
-            full(gate), full(up),
+            full(gate), full(up), *map(full, gate_scales),
         ],
         out_specs=pl.BlockSpec((cfg.block_m, cfg.gu_block_i), lambda c, j: (j, c)),
-        out_shape=_compat.out_struct((rows, inter), gate.dtype, x),
+        out_shape=_compat.out_struct((rows, inter), compute, x),
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up",
-    )(layer, plan.tile_expert, plan.tile_live, xs, plan.slot_weight, gate, up)
+    )(layer, plan.tile_expert, plan.tile_live, xs, plan.slot_weight, gate, up, *gate_scales)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, block_i=cfg.dn_block_i, block_d=cfg.dn_block_d, inter=inter),
+        functools.partial(_down_kernel, block_i=cfg.dn_block_i, block_d=cfg.dn_block_d, inter=inter,
+                          scale_block=scale_block),
         grid=(d // cfg.dn_block_d, nt),
         in_specs=[
             full(layer), full(plan.tile_expert), full(plan.tile_live),
             pl.BlockSpec((cfg.block_m, inter), lambda c, j: (j, 0)),
-            full(down),
+            full(down), *map(full, down_scales),
         ],
         out_specs=pl.BlockSpec((cfg.block_m, cfg.dn_block_d), lambda c, j: (j, c)),
         out_shape=_compat.out_struct((rows, d), jnp.float32 if x.dtype == jnp.float32 else x.dtype, x),
         compiler_params=params,
         interpret=interpret,
         name="moe_down",
-    )(layer, plan.tile_expert, plan.tile_live, h, down)
+    )(layer, plan.tile_expert, plan.tile_live, h, down, *down_scales)
     # Rows of dead tiles are never written: read only the pairs' own rows, masked when not local.
     local = plan.pair_slot < rows
     picked = y[jnp.clip(plan.pair_slot, 0, rows - 1)].astype(jnp.float32)

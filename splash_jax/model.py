@@ -39,6 +39,7 @@ class RuntimeOptions:
     dtype: str = "float32"
     attention_impl: str = "auto"  # auto | xla | pallas | naive
     scan_layers: bool = True  # layers stacked per group under lax.scan (False: one module per layer, unrolled)
+    expert_format: str = "model"  # routed experts: "model" (the dtype above) | "fp8" (e4m3 + block scales in HBM)
 
 
 class MLAttention(nnx.Module):
@@ -135,12 +136,12 @@ class LocalContext:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs, expert_format: str = "model"):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         self.attn = MLAttention(cfg, dtype, rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         if cfg.is_moe_layer(layer):
-            self.mlp = MoE(cfg, dtype, rngs)
+            self.mlp = MoE(cfg, dtype, rngs, expert_format)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.arrays.intermediate_size, dtype, rngs)
 
@@ -163,7 +164,7 @@ class DeepseekForCausalLM(nnx.Module):
         self.options = options
         vocab = cfg.arrays.vocab_size
         self.embed = init_param(rngs, (vocab, cfg.hidden_size), dtype, std=1.0)
-        layers = [DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)]  # same init either way
+        layers = [DecoderLayer(cfg, i, dtype, rngs, options.expert_format) for i in range(cfg.num_layers)]  # same init either way
         if options.scan_layers:
             for name, indices in layer_groups(cfg).items():
                 setattr(self, name, stack_layers([layers[i] for i in indices]))
@@ -235,7 +236,8 @@ class DeepseekForCausalLM(nnx.Module):
         )
 
 
-ROUTED_EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down")
+ROUTED_EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down",
+                        "experts_gate_scale", "experts_up_scale", "experts_down_scale")
 
 
 def _is_routed_expert(path, _value) -> bool:

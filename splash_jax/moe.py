@@ -34,7 +34,7 @@ MOE_AUTO_GPU = ((1 << 30, "pallas"),)
 
 
 def resolve_moe_impl(impl: str, backend: str, num_tokens: int, top_k: int, num_local: int,
-                     hidden: int, inter: int) -> str:
+                     hidden: int, inter: int, scale_block: int = 0) -> str:
     """The concrete routed-expert path for static shapes on `backend`; unknown names fail.
 
     "xla" resolves to "gathered" or "dense" by the token count, so the result is always the path
@@ -47,7 +47,7 @@ def resolve_moe_impl(impl: str, backend: str, num_tokens: int, top_k: int, num_l
         if backend == "gpu":
             from pallas_kernels.moe_grouped import supports
 
-            if supports(hidden, inter):
+            if supports(hidden, inter, scale_block):
                 impl = next(name for limit, name in MOE_AUTO_GPU if num_tokens <= limit)
     if impl == "xla":
         impl = "gathered" if 4 * num_tokens * top_k <= num_local else "dense"
@@ -139,8 +139,30 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[
     return ids, weights * cfg.routed_scaling_factor
 
 
+EXPERT_FORMATS = ("model", "fp8")  # routed experts in the model dtype, or FP8 e4m3 + block scales
+FP8_SCALE_BLOCK = 128  # DeepSeek's weight_block_size (square); used when a checkpoint has none
+
+
+def fp8_scale_block(cfg: ModelConfig) -> int:
+    """The square block of FP8 expert scales: the checkpoint's `weight_block_size`, else DeepSeek's."""
+    if cfg.weight_quant is None:
+        return FP8_SCALE_BLOCK
+    rows, cols = cfg.weight_quant.block
+    if rows != cols:
+        raise ValueError(f"FP8 experts need square weight_block_size, got {[rows, cols]}; use --expert-weights model")
+    return rows
+
+
+def dequantize_blocks(values: jax.Array, scales: jax.Array, block: int, dtype) -> jax.Array:
+    """[..., I, D] FP8 values * their [..., I/b, D/b] block scales, in `dtype` (the XLA paths)."""
+    *_, rows, cols = values.shape
+    full = jnp.repeat(jnp.repeat(scales, block, axis=-2, total_repeat_length=scales.shape[-2] * block), block,
+                      axis=-1, total_repeat_length=scales.shape[-1] * block)[..., :rows, :cols]
+    return (values.astype(jnp.float32) * full).astype(dtype)
+
+
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, expert_format: str = "model"):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
         # The router scores only the real experts, so padded experts (array rows >= e) are never routed.
@@ -150,9 +172,19 @@ class MoE(nnx.Module):
         e = cfg.arrays.n_routed_experts
         # All three [E, I, D] (gate/up as HF's [out, in]): on GPU the dense path then needs no
         # per-step relayout of the expert tensors (benchmarks/moe_paths.py measured 2x).
-        self.experts_gate = init_param(rngs, (e, i, d), dtype)
-        self.experts_up = init_param(rngs, (e, i, d), dtype)
-        self.experts_down = init_param(rngs, (e, i, d), dtype)
+        if expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"unknown expert weight format {expert_format!r}; choose from {EXPERT_FORMATS}")
+        # FP8: HBM holds 1 byte per expert weight (DeepSeek's checkpoints ship them so) and the
+        # Pallas kernel applies each 128x128 block's scale to its partial products.
+        self.scale_block = fp8_scale_block(cfg) if expert_format == "fp8" else 0
+        for name in ("experts_gate", "experts_up", "experts_down"):
+            if self.scale_block:
+                b = self.scale_block
+                values = init_param(rngs, (e, i, d), jnp.float32, std=1.0)[...].astype(jnp.float8_e4m3fn)
+                setattr(self, name, nnx.Param(values))
+                setattr(self, name + "_scale", nnx.Param(jnp.full((e, -(-i // b), -(-d // b)), 0.02, jnp.float32)))
+            else:
+                setattr(self, name, init_param(rngs, (e, i, d), dtype))
         if cfg.n_shared_experts:
             self.shared = MLP(d, cfg.arrays.shared_intermediate_size, dtype, rngs)
 
@@ -180,14 +212,22 @@ class MoE(nnx.Module):
         place; the XLA paths slice it out (what a scan over the weights would do)."""
         num_local, inter, dim = self.experts_gate.shape[-3:]
         backend = jax.default_backend()
-        impl = resolve_moe_impl(impl, backend, x.shape[0], local.shape[1], num_local, dim, inter)
+        impl = resolve_moe_impl(impl, backend, x.shape[0], local.shape[1], num_local, dim, inter, self.scale_block)
         experts = (self.experts_gate[...], self.experts_up[...], self.experts_down[...])
+        scales = None
+        if self.scale_block:
+            scales = (self.experts_gate_scale[...], self.experts_up_scale[...], self.experts_down_scale[...])
         if impl == "pallas":
             from pallas_kernels.moe_grouped import routed_experts
 
-            return routed_experts(x, local, weights, *experts, layer, interpret=backend != "gpu")
+            return routed_experts(x, local, weights, *experts, layer, scales, scale_block=self.scale_block,
+                                  interpret=backend != "gpu")
         if layer is not None:
             experts = tuple(jax.lax.dynamic_index_in_dim(w, layer, keepdims=False) for w in experts)
+            if scales:
+                scales = tuple(jax.lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in scales)
+        if scales:  # XLA paths: dequantize this layer's experts (what a bf16 checkpoint would hold)
+            experts = tuple(dequantize_blocks(w, s, self.scale_block, x.dtype) for w, s in zip(experts, scales))
         if impl == "ragged":
             return ragged_routed(x, local, weights, *experts)
         if impl == "mgpu":

@@ -87,3 +87,106 @@ def test_fp8_without_quantization_config_is_refused(tmp_path):
     dst = _edited_copy(tmp_path, lambda c: c.pop("quantization_config"))
     with pytest.raises(CheckpointError, match="is FP8 but config.json has no quantization_config"):
         load_model(dst, RuntimeOptions(dtype="float32"))
+
+
+def _prefill_logits(model, prompt):
+    runner = SingleRequestRunner(model, page_size=8, max_len=64)
+    logits, _ = runner.run(runner.new_cache(), prompt, 0, want="all")
+    return logits
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_fp8_experts_kept_in_hbm_give_the_dequantized_models_logits(scan):
+    """--expert-weights fp8: the routed experts stay e4m3 (1 byte each) with their checkpoint scales,
+    every other weight is dequantized as before; f32 logits equal the fully dequantized load and
+    transformers' reference (the XLA path dequantizes per layer; the Pallas kernel is checked
+    against the same dequantized weights in test_moe.py)."""
+    ref = np.load(FIXTURE / "reference.npz")
+    opts = dict(dtype="float32", attention_impl="xla", scan_layers=scan)
+    fp8 = load_model(FIXTURE, RuntimeOptions(expert_format="fp8", **opts))
+    plain = load_model(FIXTURE, RuntimeOptions(**opts))
+    mlp = fp8.layer(1).mlp
+    assert mlp.experts_gate[...].dtype == ml_dtypes.float8_e4m3fn and mlp.scale_block == 128
+    e, i, d = mlp.experts_down[...].shape
+    assert mlp.experts_down_scale[...].shape == (e, -(-i // 128), -(-d // 128))
+    ckpt = SafetensorsCheckpoint(FIXTURE)
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # stored [D, I]; kept [I, D]
+    np.testing.assert_array_equal(np.asarray(mlp.experts_down[...][3]).view(np.uint8), ckpt.read_raw(name).T.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(mlp.experts_down_scale[...][3]), ckpt.read(name + "_scale_inv").T)
+    got = _prefill_logits(fp8, ref["prompt_ids"])
+    np.testing.assert_allclose(got, _prefill_logits(plain, ref["prompt_ids"]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, ref["prefill_logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_experts_from_a_bf16_checkpoint_are_quantized_on_load(tmp_path):
+    """A float checkpoint with --expert-weights fp8: experts quantized by DeepSeek's recipe on load;
+    the model equals one loaded from the float checkpoint whose experts were round-tripped through
+    that quantization on the host."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from random_models import tiny_config, write_random_checkpoint
+
+    folder = write_random_checkpoint(tmp_path / "float", tiny_config(num_layers=2))
+    fp8 = load_model(folder, RuntimeOptions(dtype="float32", attention_impl="xla", expert_format="fp8"))
+    ckpt = SafetensorsCheckpoint(folder)
+    name = "model.layers.1.mlp.experts.5.gate_proj.weight"
+    q, s = quantize(ckpt.read(name).astype(np.float32), (128, 128))
+    mlp = fp8.layer(1).mlp
+    np.testing.assert_array_equal(np.asarray(mlp.experts_gate[...][5]).view(np.uint8), q.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(mlp.experts_gate_scale[...][5]), s)
+    x = np.random.default_rng(0).standard_normal((3, fp8.cfg.hidden_size)).astype(np.float32)
+    from splash_jax.moe import dequantize_blocks
+
+    dense = dequantize_blocks(mlp.experts_gate[...], mlp.experts_gate_scale[...], 128, np.float32)
+    np.testing.assert_allclose(np.asarray(dense[5]), dequantize(q, s, (128, 128)), rtol=0, atol=0)
+    assert np.isfinite(np.asarray(mlp(x))).all()
+
+
+def test_expert_weights_flag_is_checked_and_auto_keeps_the_model_dtype():
+    from splash_jax.engine import EngineConfig
+
+    assert EngineConfig().resolved_expert_weights("cpu", True) == "model"
+    assert EngineConfig().resolved_expert_weights("gpu", True) == "model"  # until measured on a GPU
+    assert EngineConfig(expert_weights="fp8").resolved_expert_weights("cpu", False) == "fp8"
+    with pytest.raises(ValueError, match="--expert-weights"):
+        EngineConfig(expert_weights="int4").resolved_expert_weights("gpu", True)
+
+
+def test_engine_with_fp8_experts_gives_the_same_tokens_sharded_as_on_one_device():
+    """Block scales are sharded with their experts: a 4-device DOP engine (experts 2 per device,
+    scales alongside) generates exactly what one device does, both keeping the experts in FP8."""
+    from splash_jax.engine import Engine, EngineConfig, SamplingParams
+
+    prompts = [[5, 9, 17, 33, 2, 8], [100, 3], [7] * 11]
+    kw = dict(model=str(FIXTURE), expert_weights="fp8", page_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+              max_pages=32, max_model_len=64, compile_cache_dir=None, warmup=False)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    one = Engine(EngineConfig(**kw))
+    assert str(one.model.layer(1).mlp.experts_up[...].dtype) == "float8_e4m3fn"
+    want = [o.token_ids for o in one.generate(prompts, params)]
+    sharded = Engine(EngineConfig(layout="dop", num_devices=4, **kw))
+    leaf = sharded.model.layer(1).mlp.experts_up_scale[...]
+    assert {s.data.shape[0] for s in leaf.addressable_shards} == {2}
+    assert [o.token_ids for o in sharded.generate(prompts, params)] == want
+
+
+def test_dummy_weights_with_fp8_experts():
+    model = load_model(FIXTURE, RuntimeOptions(dtype="float32", expert_format="fp8"), load_format="dummy")
+    mlp = model.layer(1).mlp
+    values = np.asarray(mlp.experts_gate[...]).astype(np.float32)
+    assert mlp.experts_gate[...].dtype == ml_dtypes.float8_e4m3fn and np.isfinite(values).all()
+    assert 0.01 < values.std() < 0.03  # e4m3 values carry the std, the scales are 1
+    assert np.all(np.asarray(mlp.experts_gate_scale[...]) == 1.0)
+
+
+def test_orbax_snapshot_keeps_fp8_experts_bit_exact(tmp_path):
+    from splash_jax.weights.snapshot import save_snapshot
+
+    opts = RuntimeOptions(dtype="float32", expert_format="fp8")
+    model = load_model(FIXTURE, opts)
+    save_snapshot(model, tmp_path / "snap")
+    back = load_model(tmp_path / "snap", opts)
+    for name in ("experts_down", "experts_down_scale"):
+        a, b = (np.asarray(getattr(m.layer(2).mlp, name)[...]) for m in (model, back))
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name

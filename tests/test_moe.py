@@ -143,6 +143,41 @@ def test_pallas_kernel_reads_one_layer_of_a_stack():
         routed_experts(*map(jnp.asarray, (x, ids, w, *stack)), interpret=True)
 
 
+def _fp8_experts(rng, shape, block):
+    """[.., E, I, D] float weights -> (e4m3 values, float32 block scales, the dequantized float64
+    weights) with DeepSeek's recipe applied per expert matrix (splash_jax.weights.fp8.quantize)."""
+    from splash_jax.weights.fp8 import dequantize, quantize
+
+    w = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    flat = w.reshape(-1, *shape[-2:])
+    parts = [quantize(m, (block, block)) for m in flat]
+    q = np.stack([p[0] for p in parts]).reshape(shape)
+    sc = np.stack([p[1] for p in parts]).reshape(shape[:-2] + parts[0][1].shape)
+    deq = np.stack([dequantize(p[0], p[1], (block, block)) for p in parts]).reshape(shape)
+    return q, sc, deq.astype(np.float64)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_pallas_kernel_with_fp8_block_scaled_weights_matches_the_dequantized_loop(stacked):
+    """FP8 values + 32x32 block scales (tiles capped inside one scale block; 2 x 4 scale blocks per
+    expert) == the float64 loop over the dequantized weights; stacked [L,E,I,D] with a layer too."""
+    from pallas_kernels.moe_grouped import routed_experts
+
+    rng = np.random.default_rng(5)
+    layers, e, i, d, block = 2, 8, 64, 128, 32
+    lead = (layers, e) if stacked else (e,)
+    x = rng.standard_normal((9, d)).astype(np.float32)
+    ids = rng.integers(-1, e + 1, (9, 3)).astype(np.int32)
+    w = rng.random((9, 3)).astype(np.float32)
+    q, sc, deq = zip(*(_fp8_experts(rng, lead + (i, d), block) for _ in range(3)))
+    args = (*map(jnp.asarray, (x, ids, w)), *map(jnp.asarray, q))
+    layer = jnp.int32(1) if stacked else None
+    out = routed_experts(*args, layer, tuple(map(jnp.asarray, sc)), scale_block=block, interpret=True)
+    want = _numpy_routed(x, ids, w, *(m[1] if stacked else m for m in deq))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    assert q[0].dtype == jnp.float8_e4m3fn and q[0].nbytes == q[0].size  # one byte per weight
+
+
 @pytest.mark.parametrize("small_pairs", [512, 0])  # compare-and-sum plan; sort plan
 def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert(small_pairs, monkeypatch):
     from pallas_kernels import moe_grouped

@@ -18,6 +18,10 @@ class EngineConfig:
     model: str = ""  # HF-format folder (config.json, safetensors, tokenizer.json); empty = bundled model
     load_format: str = "auto"  # auto | safetensors | dummy | orbax
     dtype: str = "auto"  # auto (bfloat16 on accelerators, float32 on CPU) | float32 | bfloat16
+    # Routed experts in HBM: model (the dtype above) | fp8 (e4m3 + 128x128 block scales, applied in the
+    # MoE kernel; from an FP8 checkpoint as stored, from a bf16 one quantized on load) | auto (= model
+    # until the FP8 kernel is measured on a GPU: benchmarks/probes/fp8_moe.py).
+    expert_weights: str = "auto"
     attention_impl: str = "auto"  # auto | xla | pallas
     page_size: int = 64
     kv_memory_gb: float | None = None  # per device; default: kv_memory_fraction of free memory
@@ -50,6 +54,15 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if backend == "cpu" else "bfloat16"
+
+    def resolved_expert_weights(self, backend: str, checkpoint_is_fp8: bool) -> str:
+        if self.expert_weights not in ("auto", "model", "fp8"):
+            raise ValueError(f"--expert-weights must be auto, model or fp8, got {self.expert_weights!r}")
+        if self.expert_weights != "auto":
+            return self.expert_weights
+        # The FP8 path is exact against the dequantized weights on CPU (interpret mode) but has not
+        # run on a GPU yet; until it has, FP8 checkpoints are dequantized unless asked otherwise.
+        return "model"
 
     def resolved_scan_layers(self, backend: str) -> bool:
         return self.scan_layers if self.scan_layers is not None else True

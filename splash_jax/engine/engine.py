@@ -46,6 +46,7 @@ from splash_jax.kv.capacity import (
 )
 from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, POOL_SPEC, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
+from splash_jax.model_config import ModelConfig
 from splash_jax.paths import DEFAULT_MODEL
 from splash_jax.tokenizer import Tokenizer
 from splash_jax.weights.loader import load_model
@@ -87,7 +88,15 @@ class Engine:
 
         t0 = time.perf_counter()
         path = Path(config.model) if config.model else DEFAULT_MODEL
-        options = RuntimeOptions(dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.resolved_scan_layers(backend))
+        fp8_checkpoint = model is None and _checkpoint_is_fp8(path)
+        expert_format = config.resolved_expert_weights(backend, fp8_checkpoint)
+        if fp8_checkpoint and expert_format == "model":
+            log.info("FP8 checkpoint: routed experts dequantized to %s; --expert-weights fp8 keeps them in FP8 "
+                     "(half the expert memory)", dtype)
+        options = RuntimeOptions(
+            dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.resolved_scan_layers(backend),
+            expert_format=expert_format,
+        )
         self.model = model or load_model(
             path, options, sharding_for=param_sharding_fn(self.layout, self.mesh),
             load_format=config.load_format, seed=config.seed,
@@ -438,3 +447,11 @@ class Engine:
             "compile_seconds": round(self.executor.compile_seconds, 2),
             "compile": self.executor.compile_stats.summary(),  # start-up compiles: programs, seconds, cache hits
         }
+
+
+def _checkpoint_is_fp8(path: Path) -> bool:
+    """Does the folder's config.json declare block-FP8 weights (DeepSeek-V3/R1 releases)?"""
+    try:
+        return ModelConfig.from_json(path).weight_quant is not None
+    except (OSError, ValueError):
+        return False  # the loader reports a missing or bad config.json with its own error

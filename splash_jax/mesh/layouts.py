@@ -41,6 +41,10 @@ FIXED = {
     "experts_gate": P(AXIS, None, None),
     "experts_up": P(AXIS, None, None),
     "experts_down": P(AXIS, None, None),
+    # FP8 experts' block scales [E, I/b, D/b] live with their experts.
+    "experts_gate_scale": P(AXIS, None, None),
+    "experts_up_scale": P(AXIS, None, None),
+    "experts_down_scale": P(AXIS, None, None),
     "gate": P(None, AXIS),
     "up": P(None, AXIS),
     "down": P(AXIS, None),

@@ -26,6 +26,8 @@ def hf_tensors(model, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     cfg: ModelConfig = model.cfg
     if cfg.padding is not None:
         raise ValueError("export an unpadded model (load it without a device-count padding)")
+    if model.options.expert_format != "model":
+        raise ValueError("export a model loaded with --expert-weights model (its experts are FP8 + block scales here)")
     params = per_layer_params(cfg, {tuple(str(k) for k in path): np.asarray(v[...], np.float32)
                                     for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))})
     out: dict[str, np.ndarray] = {

@@ -7,7 +7,9 @@ Such a checkpoint stores each quantized linear `X.weight` as float8_e4m3fn [out,
 Embeddings, norms, the router and the LM head stay in bf16.
 
 `DequantizingReader` wraps a checkpoint so the loader sees plain float tensors: the model then
-holds bf16 (or f32) weights, as it would from a bf16 checkpoint.
+holds bf16 (or f32) weights, as it would from a bf16 checkpoint. With `--expert-weights fp8` the
+routed experts are read as they are stored instead (`read_fp8`: e4m3 values and their scales,
+or, from a bf16 checkpoint, quantized on load with the same recipe).
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ def quantize(weight: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[n
 class DequantizingReader:
     """A checkpoint whose FP8 tensors read back as float32 (the loader's `read`, `shape`, `check_dtype`)."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, scheme: BlockFp8 | None):
+    def __init__(self, ckpt: SafetensorsCheckpoint, scheme: BlockFp8 | None, fp8_block: int = 0):
         self.ckpt = ckpt
         self.scheme = scheme
+        self.fp8_block = fp8_block  # square block of the FP8 experts the model keeps (0: none)
 
     def names(self) -> list[str]:
         return self.ckpt.names()
@@ -111,6 +114,17 @@ class DequantizingReader:
             return self.ckpt.read(name)
         self.check_dtype(name)
         return dequantize(self.ckpt.read_raw(name), self.ckpt.read(name + SCALE_SUFFIX), self.scheme.block)
+
+    def read_fp8(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(e4m3 values, float32 scale_inv [ceil(out/b), ceil(in/b)]) of an [out, in] weight: as stored
+        when the tensor is FP8 with the model's block, else quantized here (DeepSeek's recipe)."""
+        block = (self.fp8_block, self.fp8_block)
+        if self._is_fp8(name):
+            self.check_dtype(name)
+            if tuple(self.scheme.block) != block:
+                raise CheckpointError(f"{name!r} is stored in {self.scheme.block} blocks, the model keeps {block}")
+            return self.ckpt.read_raw(name), self.ckpt.read(name + SCALE_SUFFIX).astype(np.float32)
+        return quantize(self.ckpt.read(name).astype(np.float32), block)
 
     def _is_fp8(self, name: str) -> bool:
         return self.ckpt.dtype_name(name) in FP8_DTYPES

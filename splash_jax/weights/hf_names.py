@@ -25,6 +25,7 @@ class ParamSource:
     shapes: list[tuple[int, ...]]  # their expected shapes
     build: Callable[[Callable[[str], np.ndarray], slice], np.ndarray]  # (read, expert_slice) -> array
     per_expert: bool = False
+    fp8_part: str | None = None  # FP8 experts: "values" or "scales" of each tensor (read = its part)
 
 
 def _single(name: str, shape: tuple[int, ...], fn=lambda w: w) -> ParamSource:
@@ -35,7 +36,8 @@ def _t(w):
     return w.T
 
 
-def param_sources(cfg: ModelConfig) -> dict[Path, ParamSource]:
+def param_sources(cfg: ModelConfig, fp8_experts: bool = False) -> dict[Path, ParamSource]:
+    """fp8_experts: routed experts as FP8 values (`experts_*`) + block scales (`experts_*_scale`)."""
     d, h, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
     n, r, vd, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     qk = n + r
@@ -75,7 +77,11 @@ def param_sources(cfg: ModelConfig) -> dict[Path, ParamSource]:
             if cfg.topk_method == "noaux_tc":
                 out[L + ("mlp", "router_bias")] = _single(m + "gate.e_score_correction_bias", (e,))
             for ours, theirs, shape in (("gate", "gate_proj", (i, d)), ("up", "up_proj", (i, d)), ("down", "down_proj", (d, i))):
-                out[L + ("mlp", f"experts_{ours}")] = _experts(m, theirs, shape, e)
+                if fp8_experts:
+                    out[L + ("mlp", f"experts_{ours}")] = _experts(m, theirs, shape, e, "values")
+                    out[L + ("mlp", f"experts_{ours}_scale")] = _experts(m, theirs, shape, e, "scales")
+                else:
+                    out[L + ("mlp", f"experts_{ours}")] = _experts(m, theirs, shape, e)
             if cfg.n_shared_experts:
                 si = i * cfg.n_shared_experts
                 out[L + ("mlp", "shared", "gate")] = _single(m + "shared_experts.gate_proj.weight", (si, d), _t)
@@ -89,16 +95,17 @@ def param_sources(cfg: ModelConfig) -> dict[Path, ParamSource]:
     return out
 
 
-def _experts(prefix: str, proj: str, shape: tuple[int, int], num_experts: int) -> ParamSource:
+def _experts(prefix: str, proj: str, shape: tuple[int, int], num_experts: int, fp8_part: str | None = None) -> ParamSource:
     """Experts saved one per expert ([out, in] each), stacked as [E, I, D]: gate/up keep HF's
-    [out, in] = [I, D]; down ([D, I] in HF) is transposed to [I, D]."""
+    [out, in] = [I, D]; down ([D, I] in HF) is transposed to [I, D] (FP8 block scales likewise:
+    [I/b, D/b])."""
     names = [f"{prefix}experts.{e}.{proj}.weight" for e in range(num_experts)]
     transpose = proj == "down_proj"
 
     def build(read, experts: slice):
         ids = range(num_experts)[experts]
-        if not ids:  # a device holding only padded experts reads nothing
-            return np.zeros((0,) + (shape[::-1] if transpose else shape), np.float32)
+        if not ids:  # a device holding only padded experts reads nothing (shape: the caller pads)
+            return np.zeros((0, 0, 0), np.float32)
         return np.stack([read(names[e]).T if transpose else read(names[e]) for e in ids])
 
-    return ParamSource(names, [shape] * num_experts, build, per_expert=True)
+    return ParamSource(names, [shape] * num_experts, build, per_expert=True, fp8_part=fp8_part)

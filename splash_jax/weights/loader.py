@@ -85,16 +85,27 @@ def load_model(
 
         state = restore_state(path / "orbax", abstract, sharding_for)
     else:
-        ckpt = DequantizingReader(SafetensorsCheckpoint(path), cfg.weight_quant)
-        if cfg.weight_quant is not None:
+        ckpt = DequantizingReader(SafetensorsCheckpoint(path), cfg.weight_quant, fp8_block=_fp8_block(options, cfg))
+        if options.expert_format == "fp8":
+            log.info("routed experts kept in FP8 (e4m3, %d x %d block scales)%s; other weights in %s",
+                     ckpt.fp8_block, ckpt.fp8_block, "" if cfg.weight_quant else ", quantized on load", options.dtype)
+        elif cfg.weight_quant is not None:
             log.info("FP8 checkpoint (%dx%d blocks): dequantized to %s on load", *cfg.weight_quant.block, options.dtype)
         state = _safetensors_state(cfg, ckpt, abstract, sharding_for, options)
     return nnx.merge(graphdef, state)
 
 
+def _fp8_block(options, cfg) -> int:
+    if options.expert_format != "fp8":
+        return 0
+    from splash_jax.moe import fp8_scale_block
+
+    return fp8_scale_block(cfg)
+
+
 def leaf_sources(cfg: ModelConfig, abstract) -> list[tuple[tuple, list[ParamSource] | ParamSource]]:
     """Per parameter leaf: its checkpoint source, or for a stacked layer group one source per layer."""
-    sources = param_sources(cfg)
+    sources = param_sources(cfg, fp8_experts=any(_path_key(k)[-1] == "experts_gate_scale" for k, _ in nnx.to_flat_state(abstract)))
     groups = layer_groups(cfg) if any(is_stacked(_path_key(k)) for k, _ in nnx.to_flat_state(abstract)) else {}
     out = []
     for key, _ in nnx.to_flat_state(abstract):
@@ -144,18 +155,22 @@ def _slice_reader(ckpt, src: ParamSource, shape, target):
     """index -> the parameter's slice (zero-padded): experts read only the asked-for experts; any
     other tensor is read once and kept for the other devices' slices."""
     cache: dict = {}
+    read_fn = ckpt.read
+    if src.fp8_part is not None:  # FP8 experts: the stored e4m3 values or their block scales
+        part_index = 0 if src.fp8_part == "values" else 1
+        read_fn = lambda name: ckpt.read_fp8(name)[part_index]  # noqa: E731
 
     def read(index):
         if src.per_expert:
             # Only this device's experts are read; ids past the real count are padding (zeros).
             start, stop, _ = (index[0] if index else slice(None)).indices(shape[0])
             real_stop = max(start, min(stop, len(src.names)))
-            part = src.build(ckpt.read, slice(start, real_stop))
-            part = zero_pad_to(part, (stop - start,) + part.shape[1:])
+            part = src.build(read_fn, slice(start, real_stop))
+            part = zero_pad_to(part, (stop - start,) + tuple(shape[1:]))
             rest = (slice(None),) + tuple(index[1:])
             return np.ascontiguousarray(part[rest]).astype(target)
         if "full" not in cache:
-            full = zero_pad_to(src.build(ckpt.read, slice(None)), shape)
+            full = zero_pad_to(src.build(read_fn, slice(None)), shape)
             cache["full"] = np.ascontiguousarray(full).astype(target)
         return cache["full"][tuple(index)]
 
@@ -172,7 +187,7 @@ def _dummy_state(abstract, sharding_for, seed: int):
         names = _path_key(path)
         shape, dtype = var.shape, var.dtype
         sharding = sharding_for(names, shape)
-        is_norm = names[-1] in ("weight", "q_a_norm", "kv_a_norm")
+        is_norm = names[-1] in ("weight", "q_a_norm", "kv_a_norm") or names[-1].endswith("_scale")  # FP8 scales: 1
         std = 0.0 if names[-1] == "router_bias" else (1.0 if names[-1] == "embed" else 0.02)
         leaves.append(_random_leaf(shape, jnp.dtype(dtype), sharding, is_norm, std, jax.random.fold_in(key, i)))
     return _replace_leaves(abstract, leaves)
