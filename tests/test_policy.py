@@ -69,7 +69,9 @@ def test_auto_policy_follows_the_load_and_keeps_outputs_identical():
     fixed = Engine(EngineConfig(layout="dop", warmup=False, **KW))
     want = [o.token_ids for o in fixed.generate(prompts, params)]
     policy = PolicyConfig(interval_steps=2, cooldown_steps=4)
-    engine = Engine(EngineConfig(layout="dp", enable_switching=True, layout_policy="auto", policy=policy, **KW))
+    # warmup=False: programs compile on first use (this test checks decisions and outputs; that a
+    # switch compiles nothing is test_switching.py::test_random_switch_schedules_keep_outputs_identical's).
+    engine = Engine(EngineConfig(layout="dp", enable_switching=True, layout_policy="auto", policy=policy, warmup=False, **KW))
     ids = {engine.add_request(prompts[0], params): 0}
     done, step = {}, 0
     while engine.has_work() or len(ids) < len(prompts):
