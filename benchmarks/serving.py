@@ -169,6 +169,20 @@ async def run(args: argparse.Namespace, base_url: str, model: str, requests: lis
 
 
 # --- report --------------------------------------------------------------------------------
+def step_intervals(metrics_text: str) -> dict:
+    """The server's step cadence by kind from /metrics (splash_step_interval_ms, prefill share):
+    TPOT above the bare decode step splits into prefill-carrying steps and slower decode steps."""
+    out: dict = {}
+    for line in metrics_text.splitlines():
+        m = re.match(r'splash_step_interval_ms\{kind="(\w+)",stat="(\w+)"\} ([0-9.eE+-]+)', line)
+        if m:
+            out.setdefault(m.group(1), {})[m.group(2)] = float(m.group(3))
+        elif line.startswith("splash_step_prefill_share "):
+            out["prefill_share"] = float(line.split()[1])
+    return out
+
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict:
     ok = [r for r in results if r.ok]
     out = {
@@ -296,8 +310,11 @@ def main(argv: list[str] | None = None) -> dict:
         log.info("benchmarking %s at %s (%s)", model, base_url, server_version)
         results, duration = asyncio.run(run(args, base_url, model, requests, tokenizer))
         layout = httpx.get(base_url + "/v1/layout").json()
+        steps = step_intervals(httpx.get(base_url + "/metrics").text)
     summary = summarize(results, duration)
     print(table(summary))
+    if steps:
+        print("engine step intervals (ms; back-to-back steps, by kind): " + json.dumps(steps))
 
     record = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -305,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": versions(),
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "args": {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in vars(args).items()},
-        "model": model, "layout": layout, "summary": summary,
+        "model": model, "layout": layout, "summary": summary, "step_intervals_ms": steps,
         "requests": [
             {"prompt_len": r.prompt_len, "output_len": r.output_len, "ttft_s": r.ttft, "latency_s": r.latency, "error": r.error}
             for r in results

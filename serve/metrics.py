@@ -42,6 +42,18 @@ class EngineStatsCollector(Collector):
         switch = s.get("switch") or {}
         yield _gauge("splash_layout_switch_in_progress", "1 while a layout switch migrates", float(bool(switch)))
         yield _gauge("splash_layout_switch_progress", "Fraction of the switch's pages copied", float(switch.get("progress", 0.0)))
+        intervals = s.get("step_intervals") or {}
+        cadence = GaugeMetricFamily(
+            "splash_step_interval_ms", "Interval between back-to-back step completions (last 4096 steps) by step kind",
+            labels=["kind", "stat"])
+        for kind in ("decode_only", "with_prefill"):
+            for stat in ("p50_ms", "mean_ms", "p99_ms"):
+                if stat in intervals.get(kind, {}):
+                    cadence.add_metric([kind, stat.removesuffix("_ms")], float(intervals[kind][stat]))
+        yield cadence
+        if intervals.get("prefill_share") is not None:
+            yield _gauge("splash_step_prefill_share", "Share of recent steps that carried prefill tokens",
+                         float(intervals["prefill_share"]))
         layout = GaugeMetricFamily("splash_layout_info", "The current attention layout (value 1)", labels=["layout"])
         layout.add_metric([str(s.get("layout", "unknown"))], 1.0)
         yield layout

@@ -34,6 +34,7 @@ from splash_jax.engine.request import Request, RequestError, RequestOutput, Samp
 from splash_jax.engine.sampler import SamplerWidths, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
 from splash_jax.engine.step_packer import SlotSampling, pack_step
+from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.capacity import (
     bytes_per_page,
@@ -169,6 +170,8 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer)
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
+        self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
+        self._completed_last_call = False
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
@@ -255,8 +258,9 @@ class Engine:
             done, self._inflight = self._inflight, dispatched
         else:
             done = dispatched
+        back_to_back, self._completed_last_call = self._completed_last_call, done is not None
         if done is not None:
-            outputs += self._complete(done)
+            outputs += self._complete(done, back_to_back)
         if self.switcher is not None:
             self.switcher.after_step()
         return outputs + self._failed_now()
@@ -264,7 +268,8 @@ class Engine:
     def flush(self) -> list[RequestOutput]:
         """Read back the step in flight (if any) and return its outputs; nothing new is dispatched."""
         done, self._inflight = self._inflight, None
-        return (self._complete(done) if done is not None else []) + self._failed_now()
+        self._completed_last_call = False
+        return (self._complete(done, back_to_back=False) if done is not None else []) + self._failed_now()
 
     def set_overlap(self, enabled: bool) -> list[RequestOutput]:
         """Switch overlapped scheduling on or off between steps (returns the flushed outputs)."""
@@ -320,8 +325,9 @@ class Engine:
         want = any(c.request.params.logprobs is not None for c in chunks if c.samples)
         return InFlight(chunks, packed.rows, result, want)
 
-    def _complete(self, step: InFlight) -> list[RequestOutput]:
-        """Read back a dispatched step and apply its tokens (stops, finishes, output deltas)."""
+    def _complete(self, step: InFlight, back_to_back: bool = False) -> list[RequestOutput]:
+        """Read back a dispatched step and apply its tokens (stops, finishes, output deltas).
+        back_to_back: the previous step() completed a step too (its interval is a cadence)."""
         try:
             tokens = np.asarray(step.result.tokens)
             r = step.result
@@ -330,6 +336,7 @@ class Engine:
             self._recover(e, step.chunks)
             return []
         self.num_steps += 1
+        self.timeline.completed(time.perf_counter(), step.chunks, back_to_back)
         now = time.monotonic()
         outputs = []
         for update in self.scheduler.update(step.chunks, step.rows, tokens):
@@ -446,6 +453,7 @@ class Engine:
             "compiled_programs": self.executor.num_compiled,
             "compile_seconds": round(self.executor.compile_seconds, 2),
             "compile": self.executor.compile_stats.summary(),  # start-up compiles: programs, seconds, cache hits
+            "step_intervals": self.timeline.summary(),  # cadence by step kind (engine/step_timeline.py)
         }
 
 
