@@ -79,6 +79,7 @@ def main(argv=None):
     parser.add_argument("--min-token-bucket", type=int, default=1, help="1: batch-1 decode runs a 1-token step")
     parser.add_argument("--layout", default="tp")
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--expert-weights", default="auto", help="auto | model | fp8 (routed experts in HBM)")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                         help="decoder layers under lax.scan or unrolled (default: the engine's for the backend)")
     args = parser.parse_args(argv)
@@ -96,7 +97,7 @@ def main(argv=None):
         page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=max(contexts) + 128,
         max_num_seqs=max(batches), max_num_batched_tokens=max(max(batches), 8), warmup=False,
         layout=args.layout, num_devices=args.devices,
-        min_token_bucket=args.min_token_bucket, scan_layers=args.scan_layers,
+        min_token_bucket=args.min_token_bucket, scan_layers=args.scan_layers, expert_weights=args.expert_weights,
     ))
     cfg = engine.model_config
     rows = []
