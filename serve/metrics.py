@@ -47,7 +47,7 @@ class EngineStatsCollector(Collector):
             "splash_step_interval_ms", "Interval between back-to-back step completions (last 4096 steps) by step kind",
             labels=["kind", "stat"])
         for kind in ("decode_only", "with_prefill"):
-            for stat in ("p50_ms", "mean_ms", "p99_ms"):
+            for stat in ("p50_ms", "mean_ms", "p99_ms", "host_cpu_p50_ms"):
                 if stat in intervals.get(kind, {}):
                     cadence.add_metric([kind, stat.removesuffix("_ms")], float(intervals[kind][stat]))
         yield cadence

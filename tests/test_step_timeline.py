@@ -23,11 +23,13 @@ def test_intervals_split_by_kind_and_idle_waits_are_gaps():
     t.completed(0.010, decode, back_to_back=True)
     t.completed(0.030, mixed, back_to_back=True)
     t.completed(0.040, decode, back_to_back=True)
+    t.host_time(0.004)
     t.completed(5.000, decode, back_to_back=False)  # after an idle wait: a gap, not a 4.96 s step
     s = t.summary()
     assert s["decode_only"]["steps"] == 2 and s["decode_only"]["p50_ms"] == 10.0
     assert s["with_prefill"]["steps"] == 1 and s["with_prefill"]["mean_ms"] == 20.0
     assert s["with_prefill"]["mean_prefill_tokens"] == 32 and s["decode_only"]["mean_decode_rows"] == 3
+    assert s["decode_only"]["host_cpu_p50_ms"] == 2.0  # p50 of (0, 4) ms: only the last call reported
     assert s["prefill_share"] == round(1 / 3, 4) and s["time_share_with_prefill"] == 0.5 and s["gaps"] == 1
 
 
@@ -39,4 +41,4 @@ def test_engine_stats_report_step_intervals():
     engine.generate([[1, 2, 3] * 8, [4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))
     s = engine.stats()["step_intervals"]
     assert s["with_prefill"]["steps"] >= 1 and s["decode_only"]["steps"] >= 3
-    assert s["decode_only"]["p50_ms"] > 0
+    assert s["decode_only"]["p50_ms"] > 0 and s["decode_only"]["host_cpu_p50_ms"] > 0

@@ -171,6 +171,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
+        self._step_cpu0 = 0.0
         self._completed_last_call = False
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -243,6 +244,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the step that completed."""
+        self._step_cpu0 = time.thread_time()
         outputs = []
         if self.switcher is not None:
             self.switcher.before_step()  # batch boundary: a finished migration hands off here
@@ -263,6 +265,7 @@ class Engine:
             outputs += self._complete(done, back_to_back)
         if self.switcher is not None:
             self.switcher.after_step()
+        self.timeline.host_time(time.thread_time() - self._step_cpu0)
         return outputs + self._failed_now()
 
     def flush(self) -> list[RequestOutput]:

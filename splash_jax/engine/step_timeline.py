@@ -7,7 +7,9 @@ it was in. The interval between two consecutive step completions is the engine's
 tokens are longer than decode-only ones. Splitting the intervals by kind separates the two
 causes of a TPOT above the bare decode step: prefill work mixed into decode steps (visible in
 `with_prefill` and its share) and host work (a `decode_only` interval above the bare step time
-that `benchmarks/decode_roofline.py` measures for the same batch).
+that `benchmarks/decode_roofline.py` measures for the same batch; `host_cpu_p50_ms` is the engine
+thread's own CPU time per step, which must stay below the device's step for overlap to hide it,
+and an interval above both points at the GIL: the server's event loop running meanwhile).
 
 Only intervals between completions of back-to-back `step()` calls count: after an idle wait
 (no work) the next interval would measure the wait, so it is left out and counted as a gap.
@@ -26,6 +28,7 @@ class StepRecord:
     interval_s: float  # since the previous step's completion
     prefill_tokens: int  # tokens of prompts (positions before the prompt's end) in the step
     decode_rows: int  # requests decoding one generated token
+    host_s: float = 0.0  # CPU time of the engine thread in the step() call that completed it
 
 
 def classify(chunks) -> tuple[int, int]:
@@ -47,16 +50,26 @@ class StepTimeline:
     def __init__(self, maxlen: int = 4096):
         self._records: collections.deque[StepRecord] = collections.deque(maxlen=maxlen)
         self._last_done: float | None = None
+        self._open = False  # the last record still waits for its step() call's host time
         self.gaps = 0  # completions after an idle wait (interval not recorded)
 
     def completed(self, now: float, chunks, back_to_back: bool) -> None:
         """A step completed at `now`; `back_to_back`: the previous step() call completed one too."""
+        self._open = False
         if self._last_done is not None and back_to_back:
             prefill, decode = classify(chunks)
             self._records.append(StepRecord(now - self._last_done, prefill, decode))
+            self._open = True
         elif self._last_done is not None:
             self.gaps += 1
         self._last_done = now
+
+    def host_time(self, host_s: float) -> None:
+        """The engine thread's CPU time in the step() call that completed the last step (scheduling,
+        packing, dispatch, read-back, outputs: what overlapped scheduling must hide under the device)."""
+        if self._open:
+            self._records[-1] = dataclasses.replace(self._records[-1], host_s=host_s)
+            self._open = False
 
     def idle(self) -> None:
         """step() completed nothing (no work or the first step of a stretch): the next interval is a gap."""
@@ -74,6 +87,7 @@ class StepTimeline:
                 "mean_ms": round(float(ms.mean()), 3),
                 "p50_ms": round(float(np.percentile(ms, 50)), 3),
                 "p99_ms": round(float(np.percentile(ms, 99)), 3),
+                "host_cpu_p50_ms": round(float(np.percentile([r.host_s for r in selected], 50)) * 1e3, 3),
                 "mean_decode_rows": round(float(np.mean([r.decode_rows for r in selected])), 1),
                 "mean_prefill_tokens": round(float(np.mean([r.prefill_tokens for r in selected])), 1),
             }
