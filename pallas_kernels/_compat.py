@@ -21,6 +21,15 @@ else:  # pragma: no cover - older jax
         return pl.load(ref, idx, mask=mask, other=other)
 
 
+# Masked stores likewise: `pallas.triton.store(ref.at[idx], val, mask=...)` or `pl.store(ref, idx, val, mask=...)`.
+if hasattr(pltriton, "store"):
+    def masked_store(ref, idx, val, *, mask):
+        pltriton.store(ref.at[idx], val, mask=mask)
+else:  # pragma: no cover - older jax
+    def masked_store(ref, idx, val, *, mask):
+        pl.store(ref, idx, val, mask=mask)
+
+
 def triton_params(num_warps: int, num_stages: int):
     return TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
 

@@ -10,6 +10,9 @@ same (out, lse) result).
   "xla"    -> the XLA reference, on any backend.
   "pallas" -> the Pallas Triton kernel on GPU; on CPU it runs in interpret mode (slow; for tests).
               Not available on TPU (the kernel is written for the Triton backend).
+  "pallas_grouped" -> the Pallas kernel that groups a chunk's queries so each cached page is read
+              once per block of query tokens (`pallas_kernels/mla_grouped.py`; chunked prefill).
+              Opt-in: exact in interpret mode, not yet compiled on a GPU.
 
 The choice is made in Python from static shapes and `jax.default_backend()`, so it works under
 `jit` and inside `jax.shard_map` (per-device shapes). The compiled GPU kernel declares how its
@@ -24,7 +27,7 @@ import jax
 
 from splash_jax.attention.paged_reference import paged_mla_attention
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_grouped")
 
 
 def _pallas_supports(q_latent, q_rope, latent) -> bool:
@@ -53,7 +56,11 @@ def paged_attention(q_latent, q_rope, latent, rope, page_table, kv_lens, scale, 
         return paged_mla_attention(q_latent, q_rope, latent, rope, page_table, kv_lens, scale)
     backend = jax.default_backend()
     if backend not in ("gpu", "cpu"):
-        raise NotImplementedError(f"attention implementation 'pallas' is not available on {backend}")
+        raise NotImplementedError(f"attention implementation {impl!r} is not available on {backend}")
+    if impl == "pallas_grouped":
+        from pallas_kernels.mla_grouped import paged_mla_grouped
+
+        return paged_mla_grouped(q_latent, q_rope, latent, rope, page_table, kv_lens, scale, interpret=backend == "cpu")
     from pallas_kernels.mla_decode import paged_mla_decode
 
     return paged_mla_decode(
