@@ -14,7 +14,8 @@ same engine the dynamic run serves with (pass the same flags to both). Measured:
   held-out     cells between grid points (geometric mean of neighbouring request counts, mean of
                neighbouring contexts), measured the same way and compared with the table's
                prediction: the table is never fitted to them;
-  prefill      per layout, a step holding one prompt chunk at two sizes: intercept + s/token;
+  prefill      per layout, a step holding one prompt chunk at two sizes: intercept + s/token, and
+               a chunk after --prefill-prefix cached tokens: + s per attended key;
   link         all_to_all bytes/s per device (benchmarks/switching.py);
   switches     per ordered pair at each --switch-loads (requests x context): the time the switch
                steps took beyond as many baseline steps, against the bytes moved; two loads give
@@ -37,7 +38,7 @@ from benchmarks.common import table, write_results
 from benchmarks.dynamic import build_engine, parser as dynamic_parser, pick, switch_idle, BenchConfig
 from benchmarks.harness import clear, inject_decoding
 from benchmarks.switching import link_bandwidth
-from splash_jax.calibration import Calibration, StepTable, SwitchCost
+from splash_jax.calibration import Calibration, StepTable, SwitchCost, attended_keys
 from splash_jax.engine import EngineConfig, SamplingParams
 from splash_jax.engine.config import add_dataclass_args
 from splash_jax.mesh.layouts import LAYOUT_NAMES
@@ -54,6 +55,7 @@ class CalibrateConfig:
     holdout: bool = True  # also measure cells between grid points, to check the table
     switch_loads: str = "4x64,4x256"  # requests x context per switch measurement ('' = skip switches)
     link_mb: int = 64  # all_to_all size for the link bandwidth
+    prefill_prefix: int = 256  # cached tokens before the deep prefill chunk (0: skip; rounded to the token budget)
 
 
 def ints(s: str) -> list[int]:
@@ -85,25 +87,45 @@ def decode_cell(engine, layout: str, r: int, c: int, cfg: CalibrateConfig) -> fl
 
 
 def prefill_line(engine, layout: str, cfg: CalibrateConfig) -> list[float]:
-    """[intercept, s/token] of a step holding one prompt chunk, from chunks of T/4 and T tokens."""
+    """[intercept, s per prompt token, s per attended key] of a step holding one prompt chunk.
+
+    Chunks of T/4 and T tokens from position 0 give the first two; a T-token chunk after a cached
+    prefix of --prefill-prefix tokens (the prompt's last chunk, timed alone) gives the third: each
+    of its tokens attends to the prefix too (`attended_keys`). Without it the simulator priced a
+    chunk deep in a long prompt like the first one (measured ~5x off on the CPU mesh)."""
     switch_idle(engine, layout)
     budget = engine.config.max_num_batched_tokens
     sizes = [max(1, budget // 4), budget]
-    times = []
-    for size in sizes:
-        ts = []
-        for k in range(cfg.steps):
-            rid = engine.add_request(list(range(2, size + 3)), SamplingParams(max_tokens=1, ignore_eos=True), f"cal-pf-{size}-{k}")
-            t = time.perf_counter()
-            engine.step()  # the whole prompt is one chunk (size <= budget)
-            engine.flush()
-            ts.append(time.perf_counter() - t)
-            engine.abort(rid)
-            while engine.has_work():
-                engine.step()
-        times.append(float(np.median(ts[cfg.settle:] or ts)))
+    times = [prefill_step(engine, 0, size, cfg) for size in sizes]
     slope = (times[1] - times[0]) / (sizes[1] - sizes[0])
-    return [times[0] - slope * sizes[0], slope]
+    intercept = times[0] - slope * sizes[0]
+    prefix = (cfg.prefill_prefix // budget) * budget
+    if prefix <= 0 or prefix + budget > (engine.config.max_model_len or 0):
+        return [intercept, slope, 0.0]
+    deep = prefill_step(engine, prefix, budget, cfg)
+    extra_keys = attended_keys(prefix, budget) - attended_keys(0, budget)
+    per_key = max(0.0, (deep - times[1]) / extra_keys)
+    return [intercept, slope, per_key]
+
+
+def prefill_step(engine, prefix: int, size: int, cfg: CalibrateConfig) -> float:
+    """Median seconds of the step computing prompt tokens [prefix, prefix + size) of a request
+    whose earlier chunks ran untimed (prefix: a multiple of the token budget)."""
+    ts = []
+    for k in range(cfg.steps):
+        rid = engine.add_request(list(range(2, prefix + size + 3)), SamplingParams(max_tokens=1, ignore_eos=True),
+                                 f"cal-pf-{prefix}-{size}-{k}")
+        for _ in range(prefix // engine.config.max_num_batched_tokens):  # the earlier chunks
+            engine.step()
+        engine.flush()
+        t = time.perf_counter()
+        engine.step()  # the chunk being timed (size <= budget)
+        engine.flush()
+        ts.append(time.perf_counter() - t)
+        engine.abort(rid)
+        while engine.has_work():
+            engine.step()
+    return float(np.median(ts[cfg.settle:] or ts))
 
 
 def switch_costs(engine, link: float | None, cfg: CalibrateConfig) -> tuple[dict, list[dict]]:

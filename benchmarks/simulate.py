@@ -36,7 +36,7 @@ import numpy as np
 from benchmarks import workloads as W
 from benchmarks.common import table, write_results
 from benchmarks.dynamic import COLUMNS, RequestRecord, Sample, plot, rows_of, summarize
-from splash_jax.calibration import Calibration, StepTable
+from splash_jax.calibration import Calibration, StepTable, attended_keys
 from splash_jax.engine.config import add_dataclass_args
 from splash_jax.engine.request import Request, SamplingParams
 from splash_jax.engine.scheduler import Scheduler
@@ -143,9 +143,11 @@ def simulate(arrivals: list[W.Arrival], mode: str, c: SimConfig, table_: StepTab
                 raise RuntimeError(f"{mode}: a waiting request can never be admitted (pool or limits too small)")
             continue
         decode = [ch for ch in chunks if ch.num_tokens == 1 and ch.start >= len(ch.request.prompt_ids)]
-        prefill = sum(ch.num_tokens for ch in chunks) - len(decode)
+        prompt = [ch for ch in chunks if not (ch.num_tokens == 1 and ch.start >= len(ch.request.prompt_ids))]
+        prefill = sum(ch.num_tokens for ch in prompt)
+        keys = sum(attended_keys(ch.start, ch.num_tokens) for ch in prompt)
         ctx = float(np.mean([ch.end for ch in decode])) if decode else 0.0
-        clock += table_.step(eng.layout.name, len(decode), ctx, prefill)
+        clock += table_.step(eng.layout.name, len(decode), ctx, prefill, keys)
         step += 1
         sampling = [ch for ch in chunks if ch.samples]
         for u in s.update(chunks, list(range(len(sampling))), np.full(len(sampling), 5)):

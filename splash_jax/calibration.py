@@ -4,7 +4,8 @@ A calibration file (written by `python -m benchmarks.calibrate`) holds, for one 
 model and one device count:
   - decode step seconds per layout over a grid of (running requests, context tokens per request),
     measured with the engine's own step programs;
-  - prefill step seconds per layout as intercept + seconds per prompt token;
+  - prefill step seconds per layout as intercept + seconds per prompt token + seconds per attended
+    key (a chunk's tokens attend to the cached prefix and to the chunk up to themselves);
   - the link bandwidth (all_to_all) and the measured cost of each switch pair (fixed handoff
     seconds plus bytes moved over the measured copy rate).
 `StepTable.seconds` interpolates the grid (bilinear in log2(requests) and context, where the
@@ -40,7 +41,7 @@ class Calibration:
     requests: list[int]  # grid axis: running requests
     contexts: list[int]  # grid axis: cached tokens per request
     step_s: dict[str, list[list[float | None]]]  # layout -> [requests index][context index]; None: did not fit
-    prefill_s: dict[str, list[float]]  # layout -> [intercept s, s per prompt token] of a prefill step
+    prefill_s: dict[str, list[float]]  # layout -> [intercept s, s per prompt token(, s per attended key)] of a prefill step
     link_bytes_per_s: float | None
     switch: dict[str, SwitchCost]  # "src->dst"
 
@@ -59,6 +60,16 @@ class Calibration:
         path = Path(path)
         path.write_text(json.dumps(self.to_dict(), indent=2))
         return path
+
+
+def attended_keys(prefix: int, tokens: int) -> float:
+    """Keys a prompt chunk's tokens attend to: each sees the cached prefix and the chunk up to itself."""
+    return tokens * prefix + tokens * (tokens + 1) / 2
+
+
+def first_chunk_keys(tokens: int) -> float:
+    """What the per-token slope already includes: the same tokens as a chunk from position 0."""
+    return attended_keys(0, tokens)
 
 
 def busiest_kv_tokens(layout_name: str, requests: float, context: float, n: int) -> float:
@@ -110,11 +121,14 @@ class StepTable:
             raise ValueError(f"the calibration has fewer than 3 measured cells for layout {name}")
         return float(np.dot(coef, self._features(name, requests, context, self.devices))) * self.scale, "fit"
 
-    def step(self, name: str, decoding: int, context: float, prefill_tokens: int) -> float:
-        """A mixed step: `decoding` requests at `context` tokens each plus `prefill_tokens` prompt tokens."""
-        a, b = (x * self.scale for x in self.cal.prefill_s[name])
+    def step(self, name: str, decoding: int, context: float, prefill_tokens: int, prefill_keys: float = 0.0) -> float:
+        """A mixed step: `decoding` requests at `context` tokens each plus `prefill_tokens` prompt
+        tokens attending to `prefill_keys` keys in all (calibration.attended_keys per chunk).
+        A file without the per-key term (older calibrations) prices every chunk like a first one."""
+        a, b, *rest = (x * self.scale for x in self.cal.prefill_s[name])
+        per_key = rest[0] if rest else 0.0
         decode = self.seconds(name, decoding, context)[0] if decoding else a
-        return decode + b * prefill_tokens
+        return decode + b * prefill_tokens + per_key * max(0.0, prefill_keys - first_chunk_keys(prefill_tokens))
 
     def _grid(self, name: str, requests: float, context: float) -> float | None:
         rs, cs, table = self.cal.requests, self.cal.contexts, self.cal.step_s[name]

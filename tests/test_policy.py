@@ -197,6 +197,22 @@ def test_step_table_interpolates_the_grid_and_fits_outside_it():
     assert eight.seconds("dp", 4, 100)[0] == pytest.approx(2 * (0.02 + 4e-4 + 2e-6 * 2 * 100), rel=1e-6)
 
 
+def test_prefill_steps_cost_more_deep_in_a_prompt():
+    """intercept + s/token prices a chunk from position 0; the per-key term adds what its tokens
+    read of the cached prefix. A two-term (older) file prices every chunk like a first one."""
+    from splash_jax.calibration import attended_keys
+
+    cal = synthetic(FAST)
+    cal.prefill_s = {lay: [0.01, 1e-5, 1e-8] for lay in LAYOUTS}
+    table = StepTable(cal)
+    first = table.step("tp", 0, 0, 64, attended_keys(0, 64))
+    deep = table.step("tp", 0, 0, 64, attended_keys(1024, 64))
+    assert first == pytest.approx(0.01 + 64e-5)
+    assert deep - first == pytest.approx(1e-8 * 64 * 1024)
+    cal.prefill_s = {lay: [0.01, 1e-5] for lay in LAYOUTS}
+    assert StepTable(cal).step("tp", 0, 0, 64, attended_keys(1024, 64)) == pytest.approx(first)
+
+
 def test_calibration_file_round_trip_and_engine_loading(engine, tmp_path):
     cal = synthetic(FAST | {"cp": 0.001})
     path = cal.save(tmp_path / "cal.json")
