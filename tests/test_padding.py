@@ -17,8 +17,10 @@ from splash_jax.weights.padding import padding_costs, zero_pad_to
 N = 8
 OPTS = RuntimeOptions(dtype="float32", attention_impl="xla")
 PROMPTS = [np.random.default_rng(i).integers(2, 200, n).tolist() for i, n in enumerate((13, 5, 21))]
-ENGINE = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_pages=24, compile_cache_dir=None,
-              warmup=False, dtype="float32", attention_impl="xla")
+# min_token_bucket=32: one token bucket for one device, tp and cp (the engines compile 1 program
+# instead of 3; owner layouts 3 as before): the padding under test is the model's, not the batch's.
+ENGINE = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32, max_pages=24,
+              compile_cache_dir=None, warmup=False, dtype="float32", attention_impl="xla")
 
 # (heads, routed experts): 5, 6 and 12 heads; 12 and 20 experts (groups of 4 / 5, group-limited).
 SHAPES = [(5, 12), (6, 20), (12, 12)]
