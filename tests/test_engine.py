@@ -39,6 +39,13 @@ def engine(model):
 
 
 @pytest.fixture(scope="module")
+def small_engine(model):
+    """12 pages of 8 tokens: too few for the six prompts at once, so requests are preempted. Shared
+    (each test checks the preemptions its own run caused, and every run leaves the pool empty)."""
+    return make_engine(model, max_pages=12)
+
+
+@pytest.fixture(scope="module")
 def reference(model, engine):
     """Greedy continuation of each prompt by the model alone, token by token."""
     runner = SingleRequestRunner(model, page_size=16, max_len=128)
@@ -74,11 +81,12 @@ def test_staggered_arrivals_with_chunked_prefill_match_model_alone(engine, refer
         assert done[p].ttft is not None and done[p].tpot is not None
 
 
-def test_small_pool_preempts_and_still_matches(model, reference):
+def test_small_pool_preempts_and_still_matches(small_engine, reference):
     # 12 pages of 8 tokens cannot hold six requests of ~20-30 tokens at once.
-    engine = make_engine(model, max_pages=12)
+    engine, before = small_engine, small_engine.scheduler.num_preemptions
+    assert engine.stats()["pages_used"] == 0 and not engine.has_work()
     done = run_staggered(engine, PROMPTS, SamplingParams(max_tokens=12), arrivals=[0] * len(PROMPTS))
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > before
     for p in PROMPTS:
         assert done[p].token_ids == reference[p], p
     assert engine.stats()["pages_used"] == 0
@@ -268,12 +276,13 @@ def _same(a: dict, b: dict) -> None:
                 np.testing.assert_allclose(a[i][4], b[i][4], atol=1e-4)
 
 
-def test_overlapped_and_synchronous_scheduling_give_identical_outputs(engine, model, reference):
+def test_overlapped_and_synchronous_scheduling_give_identical_outputs(engine, small_engine, reference):
     _same(_mixed_workload(engine, True, reference), _mixed_workload(engine, False, reference))
     # ...and with a pool so small that requests are preempted and recomputed.
-    small = make_engine(model, max_pages=12)
+    small, before = small_engine, small_engine.scheduler.num_preemptions
+    assert small.stats()["pages_used"] == 0 and not small.has_work()
     a, b = _mixed_workload(small, True, reference), _mixed_workload(small, False, reference)
-    assert small.scheduler.num_preemptions > 0
+    assert small.scheduler.num_preemptions > before
     _same(a, b)
 
 
