@@ -247,6 +247,7 @@ def _packed_step(seed, H=4, L=32, R=16, P=40, S=8, M=8):
     return f(T, H, L), f(T, H, R), f(P, S, L), f(P, S, R), jnp.asarray(np.stack(table_rows)), jnp.asarray(np.array(lens, np.int32))
 
 
+@pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU path (GPU float32 dots use TF32)")
 @pytest.mark.parametrize("block_q,splits", [(4, 1), (2, 3), (8, 2)])
 def test_grouped_kernel_equals_the_reference_on_a_packed_step(block_q, splits):
     """Chunks grouped block_q tokens at a time (runs longer and shorter than a block, a block
@@ -260,6 +261,7 @@ def test_grouped_kernel_equals_the_reference_on_a_packed_step(block_q, splits):
     _assert_matches(got, _reference(*args, 0.3), seed)
 
 
+@pytest.mark.skipif(ON_GPU, reason="interpret-mode dispatch is the CPU path")
 def test_grouped_kernel_through_dispatch():
     seed = _seed()
     args = _packed_step(seed)
@@ -267,6 +269,7 @@ def test_grouped_kernel_through_dispatch():
     _assert_matches(got, _reference(*args, 0.3), seed)
 
 
+@pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU path")
 def test_engine_with_grouped_attention_generates_what_xla_does(layout="cp"):
     """Chunked prefill (8-token chunks of longer prompts) through the grouped kernel in a 2-device
     layout (CP: each device attends over its own pages, some requests have none there)."""
@@ -279,3 +282,37 @@ def test_engine_with_grouped_attention_generates_what_xla_does(layout="cp"):
     want = [o.token_ids for o in Engine(EngineConfig(attention_impl="xla", **kw)).generate(prompts, params)]
     got = [o.token_ids for o in Engine(EngineConfig(attention_impl="pallas_grouped", **kw)).generate(prompts, params)]
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("block_q", [4, 8])
+def test_gpu_grouped_kernel_real_shapes_bf16(block_q):
+    """The compiled grouped kernel (bf16, 16 heads, latent 512 + 64, page 64) on a packed step with
+    a decode token, a 300-token chunk after 2048 cached tokens, a 64-token first chunk and padding."""
+    from pallas_kernels.mla_grouped import paged_mla_grouped
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    H, L, R, S, M, P = 16, 512, 64, 64, 48, 160
+    chunks = [(1, 1000), (300, 2048), (64, 0)]
+    rows, lens = [], []
+    for n, prefix in chunks:
+        row = rng.permutation(P)[:M].astype(np.int32)
+        rows += [row] * n
+        lens += [prefix + i + 1 for i in range(n)]
+    rows += [rng.integers(-5, P + 5, M).astype(np.int32)] * 3
+    lens += [0] * 3
+    T = len(lens)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    args = (f(T, H, L), f(T, H, R), f(P, S, L), f(P, S, R), jnp.asarray(np.stack(rows)), jnp.asarray(np.array(lens, np.int32)))
+    want = _reference(*args, 0.07)
+    _poison_device_memory(T * H * L * 4 * 8)
+    out, lse = paged_mla_grouped(*args, 0.07, block_q=block_q)
+    o, r = np.asarray(out, np.float32), np.asarray(want[0])
+    assert np.isfinite(o).all(), f"seed {seed}: unwritten or NaN output"
+    assert np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2, f"seed {seed}"
+    fin = np.isfinite(np.asarray(want[1]))
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), ~fin)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(want[1])[fin], rtol=1e-3, atol=1e-3)
+    assert np.all(o[np.asarray(lens) == 0] == 0)
