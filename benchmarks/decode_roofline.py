@@ -80,8 +80,8 @@ def main(argv=None):
     parser.add_argument("--layout", default="tp")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--expert-weights", default="auto", help="auto | model | fp8 (routed experts in HBM)")
-    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-                        help="decoder layers under lax.scan or unrolled (default: the engine's for the backend)")
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                        help="decoder layers under lax.scan (the engine's default) or unrolled")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)

@@ -27,7 +27,6 @@ not yet compiled on a GPU. Opt-in as `--attention-impl pallas_grouped`.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +35,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels.mla_combine import combine_splits
-from pallas_kernels.mla_decode import MIN_BLOCK_H, supports  # noqa: F401  (same shape rules)
+from pallas_kernels.mla_decode import LN2, LOG2E, MIN_BLOCK_H, supports
 from pallas_kernels.mla_decode_config import num_sms
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 def run_offsets(page_table: jax.Array, kv_lens: jax.Array) -> jax.Array:
@@ -129,15 +125,16 @@ def paged_mla_grouped(q_latent, q_rope, latent, rope, page_table, kv_lens, scale
         return jnp.zeros((0, H, L), q_latent.dtype), jnp.zeros((0, H), jnp.float32)
     if not interpret and not supports(q_latent.shape, q_rope.shape, latent.shape):
         raise ValueError(f"Pallas MLA needs power-of-two L, R >= 16 and page size; got {L=}, {R=}, {S=}")
-    block_h = max(MIN_BLOCK_H, 1 << max(0, (H - 1).bit_length())) if not interpret else max(1, H)
-    block_h = min(block_h, 16) if H >= 16 else block_h
+    # 16 heads per tile (Triton's dot needs M >= 16; fewer heads are padded); interpret mode keeps
+    # small test head counts unpadded.
+    block_h = min(H, MIN_BLOCK_H) if interpret else MIN_BLOCK_H
     Hp = -(-H // block_h) * block_h
     hb = Hp // block_h
     block_k = block_k or min(S, 64)
     if S % block_k:
         block_k = S
     # Split-K over pages so few tokens with long contexts still fill the GPU.
-    splits = splits or max(1, min(-(-M // 1), num_sms() // max(1, hb * -(-T // block_q))))
+    splits = splits or max(1, min(M, num_sms() // max(1, hb * -(-T // block_q))))
     splits = max(1, min(splits, M))
     pages_per_split = -(-M // splits)
     splits = -(-M // pages_per_split)

@@ -146,11 +146,10 @@ def test_fp8_experts_from_a_bf16_checkpoint_are_quantized_on_load(tmp_path):
 def test_expert_weights_flag_is_checked_and_auto_keeps_the_model_dtype():
     from splash_jax.engine import EngineConfig
 
-    assert EngineConfig().resolved_expert_weights("cpu", True) == "model"
-    assert EngineConfig().resolved_expert_weights("gpu", True) == "model"  # until measured on a GPU
-    assert EngineConfig(expert_weights="fp8").resolved_expert_weights("cpu", False) == "fp8"
+    assert EngineConfig().resolved_expert_weights() == "model"  # until the FP8 kernel is measured on a GPU
+    assert EngineConfig(expert_weights="fp8").resolved_expert_weights() == "fp8"
     with pytest.raises(ValueError, match="--expert-weights"):
-        EngineConfig(expert_weights="int4").resolved_expert_weights("gpu", True)
+        EngineConfig(expert_weights="int4").resolved_expert_weights()
 
 
 def test_engine_with_fp8_experts_gives_the_same_tokens_sharded_as_on_one_device():

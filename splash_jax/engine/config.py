@@ -45,27 +45,22 @@ class EngineConfig:
     compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
     warmup: bool = True  # compile every bucket at start-up
     compile_threads: int = 0  # parallel ahead-of-time compiles; 0 = auto: one per CPU on GPU/TPU, 1 on CPU (measured: no gain)
-    # Decoder layers under lax.scan (compile time independent of depth) or unrolled. None: scanned.
-    # On GPUs the scanned step gets cuBLAS GEMMs with dynamic-slice fusion (executor.SCANNED_GPU_OPTIONS)
-    # and the MoE kernel reads the expert stacks in place; docs/startup.md has the H200 numbers.
-    scan_layers: bool | None = None
+    # Decoder layers under lax.scan (compile time independent of depth); off: unrolled. On GPUs the
+    # scanned step gets cuBLAS GEMMs with dynamic-slice fusion (executor.SCANNED_GPU_OPTIONS) and the
+    # MoE kernel reads the expert stacks in place; docs/startup.md has the H200 numbers.
+    scan_layers: bool = True
 
     def resolved_dtype(self, backend: str) -> str:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if backend == "cpu" else "bfloat16"
 
-    def resolved_expert_weights(self, backend: str, checkpoint_is_fp8: bool) -> str:
+    def resolved_expert_weights(self) -> str:
+        """`auto` -> `model`: the FP8 path is exact against the dequantized weights on CPU (interpret
+        mode) but has not run on a GPU yet; until it has, FP8 checkpoints are dequantized unless asked."""
         if self.expert_weights not in ("auto", "model", "fp8"):
             raise ValueError(f"--expert-weights must be auto, model or fp8, got {self.expert_weights!r}")
-        if self.expert_weights != "auto":
-            return self.expert_weights
-        # The FP8 path is exact against the dequantized weights on CPU (interpret mode) but has not
-        # run on a GPU yet; until it has, FP8 checkpoints are dequantized unless asked otherwise.
-        return "model"
-
-    def resolved_scan_layers(self, backend: str) -> bool:
-        return self.scan_layers if self.scan_layers is not None else True
+        return "model" if self.expert_weights == "auto" else self.expert_weights
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

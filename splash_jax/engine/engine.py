@@ -90,12 +90,12 @@ class Engine:
         t0 = time.perf_counter()
         path = Path(config.model) if config.model else DEFAULT_MODEL
         fp8_checkpoint = model is None and _checkpoint_is_fp8(path)
-        expert_format = config.resolved_expert_weights(backend, fp8_checkpoint)
+        expert_format = config.resolved_expert_weights()
         if fp8_checkpoint and expert_format == "model":
             log.info("FP8 checkpoint: routed experts dequantized to %s; --expert-weights fp8 keeps them in FP8 "
                      "(half the expert memory)", dtype)
         options = RuntimeOptions(
-            dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.resolved_scan_layers(backend),
+            dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.scan_layers,
             expert_format=expert_format,
         )
         self.model = model or load_model(
@@ -171,7 +171,6 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
-        self._step_cpu0 = 0.0
         self._completed_last_call = False
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -244,7 +243,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the step that completed."""
-        self._step_cpu0 = time.thread_time()
+        cpu0 = time.thread_time()
         outputs = []
         if self.switcher is not None:
             self.switcher.before_step()  # batch boundary: a finished migration hands off here
@@ -265,7 +264,7 @@ class Engine:
             outputs += self._complete(done, back_to_back)
         if self.switcher is not None:
             self.switcher.after_step()
-        self.timeline.host_time(time.thread_time() - self._step_cpu0)
+        self.timeline.host_time(time.thread_time() - cpu0)
         return outputs + self._failed_now()
 
     def flush(self) -> list[RequestOutput]:

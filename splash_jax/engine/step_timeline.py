@@ -71,10 +71,6 @@ class StepTimeline:
             self._records[-1] = dataclasses.replace(self._records[-1], host_s=host_s)
             self._open = False
 
-    def idle(self) -> None:
-        """step() completed nothing (no work or the first step of a stretch): the next interval is a gap."""
-        self._last_done = None
-
     def summary(self) -> dict:
         rows = list(self._records)
 
