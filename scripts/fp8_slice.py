@@ -5,9 +5,10 @@ release format (every decoder-layer linear as float8_e4m3fn with 128x128-block
 `weight_scale_inv`, partial edge blocks included; embeddings, norms, router and LM head bf16;
 `quantization_config`) at V3's real widths (hidden 7168, 128 heads, q_lora 1536, kv_lora 512,
 rope 64, experts 2048 wide, vocab 129280) with fewer layers and experts, from seeded random
-weights. Then it loads the slice with the engine's loader (FP8 dequantized to bf16 on load),
-runs a greedy decode, and prints weight bytes per device: as loaded (bf16) and as the FP8 file
-holds them (what keeping FP8 in HBM would take).
+weights. Then it loads the slice with the engine's loader once per --expert-weights format (model: routed
+experts dequantized to bf16 on load; fp8: kept as e4m3 + block scales in HBM), runs a greedy
+decode with each, and prints weight bytes per device, load and decode times, and how often the
+two formats' greedy tokens agree.
 
     python scripts/fp8_slice.py --out /tmp/v3-fp8-slice --layers 2 --experts 32 --decode 32
 """
@@ -123,6 +124,8 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expert-weights", default="model,fp8",
+                        help="routed-expert formats to load and decode, comma-separated: model (dequantized to bf16), fp8 (kept)")
     parser.add_argument("--small", action="store_true", help="narrow widths: a CPU smoke test of this script")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -136,29 +139,39 @@ def main(argv=None):
     t0 = time.perf_counter()
     stored = write_slice(args.out, slice_config(args.layers, args.experts, args.small), args.seed)
     log.info("slice written in %.0fs: %s", time.perf_counter() - t0, {k: f"{v / 2**30:.2f} GiB" for k, v in stored.items()})
-    t0 = time.perf_counter()
     from flax import nnx
 
-    model = load_model(args.out, RuntimeOptions(dtype="bfloat16", attention_impl="auto"))
     dev = jax.devices()[0]
-    loaded = sum(s.data.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))
-                 for s in x.addressable_shards if s.device == dev)
-    log.info("loaded (FP8 -> bf16) in %.0fs", time.perf_counter() - t0)
-    runner = SingleRequestRunner(model, page_size=64, max_len=256)
     prompt = list(range(2, 18))
-    runner.greedy(prompt, 2)  # compile
-    t0 = time.perf_counter()
-    ids = runner.greedy(prompt, args.decode)
-    dt = time.perf_counter() - t0
     fp8_hbm = stored["fp8"] + stored["scales"] + stored["bf16/f32"]
-    result = {
-        "device": str(dev), "layers": args.layers, "routed_experts": args.experts,
-        "weights_bytes_per_device_loaded_bf16": loaded, "weights_bytes_per_device_if_fp8_kept": fp8_hbm,
-        "ratio_bf16_over_fp8": loaded / fp8_hbm, "file_bytes_fp8": stored["fp8"], "file_bytes_scales": stored["scales"],
-        "file_bytes_bf16_f32": stored["bf16/f32"], "decode_tokens": args.decode, "decode_s": dt,
-        "ms_per_token_single_request_incl_prefill": 1000 * dt / args.decode, "greedy_ids": ids[:16],
-    }
+    result = {"device": str(dev), "layers": args.layers, "routed_experts": args.experts, "decode_tokens": args.decode,
+              "file_bytes_fp8": stored["fp8"], "file_bytes_scales": stored["scales"],
+              "file_bytes_bf16_f32": stored["bf16/f32"], "file_bytes_total": fp8_hbm}
+    for fmt in args.expert_weights.split(","):
+        t0 = time.perf_counter()
+        model = load_model(args.out, RuntimeOptions(dtype="bfloat16", attention_impl="auto", expert_format=fmt))
+        loaded = sum(s.data.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+                     for s in x.addressable_shards if s.device == dev)
+        load_s = time.perf_counter() - t0
+        runner = SingleRequestRunner(model, page_size=64, max_len=256)
+        runner.greedy(prompt, 2)  # compile
+        t0 = time.perf_counter()
+        ids = runner.greedy(prompt, args.decode)
+        dt = time.perf_counter() - t0
+        log.info("routed experts as %s: %.2f GiB of weights on %s, loaded in %.0fs, %.1f ms/token", fmt,
+                 loaded / 2**30, dev, load_s, 1000 * dt / args.decode)
+        result[fmt] = {"weights_bytes_per_device": loaded, "load_s": load_s, "decode_s": dt,
+                       "ms_per_token_single_request_incl_prefill": 1000 * dt / args.decode, "greedy_ids": ids}
+        del runner, model
+    if "model" in result and "fp8" in result:
+        a, b = result["model"]["greedy_ids"], result["fp8"]["greedy_ids"]
+        result["weights_ratio_model_over_fp8"] = result["model"]["weights_bytes_per_device"] / result["fp8"]["weights_bytes_per_device"]
+        result["greedy_agreement"] = sum(x == y for x, y in zip(a, b)) / max(1, len(a))
     print(json.dumps(result, indent=2))
+    if not args.small:
+        from benchmarks.common import write_results
+
+        write_results("fp8_slice", result)
 
 
 if __name__ == "__main__":
