@@ -112,6 +112,20 @@ def _grouped_kernel(off_ref, pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref
         _compat.masked_store(lse_ref, (q_rows,), lse, mask=row_mine)
 
 
+SHARED_MEMORY_BYTES = 232448  # per block on H100/H200 (the limit Triton reported when block_q 8 exceeded it)
+NUM_STAGES = 2
+
+
+def _fitting_block_k(rows: int, width: int, page_size: int, itemsize: int) -> int:
+    """The largest KV tile (<= 64 rows, dividing the page) whose pipelined copies fit in shared
+    memory beside the query tile: rows x width for the queries + NUM_STAGES x block_k x width for
+    the KV (block_q 8 with 16 heads at 512 + 64: 64 KV rows need 294,912 bytes, 32 fit)."""
+    block_k = min(page_size, 64)
+    while block_k > 16 and (rows + NUM_STAGES * block_k) * width * itemsize > SHARED_MEMORY_BYTES:
+        block_k //= 2
+    return block_k
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_tokens", "block_q", "block_k", "splits", "interpret"))
 def paged_mla_grouped(q_latent, q_rope, latent, rope, page_table, kv_lens, scale: float, block_tokens: int | None = None,
                       *, block_q: int = 4, block_k: int | None = None, splits: int | None = None, interpret: bool = False):
@@ -130,7 +144,7 @@ def paged_mla_grouped(q_latent, q_rope, latent, rope, page_table, kv_lens, scale
     block_h = min(H, MIN_BLOCK_H) if interpret else MIN_BLOCK_H
     Hp = -(-H // block_h) * block_h
     hb = Hp // block_h
-    block_k = block_k or min(S, 64)
+    block_k = block_k or _fitting_block_k(block_q * block_h, L + R, S, q_latent.dtype.itemsize)
     if S % block_k:
         block_k = S
     # Split-K over pages so few tokens with long contexts still fill the GPU.
@@ -172,7 +186,7 @@ def paged_mla_grouped(q_latent, q_rope, latent, rope, page_table, kv_lens, scale
             _compat.out_struct((splits, hb, pad_t * block_h, L), part_dtype, q_latent),
             _compat.out_struct((splits, hb, pad_t * block_h), jnp.float32, q_latent),
         ],
-        compiler_params=_compat.triton_params(4, 2),
+        compiler_params=_compat.triton_params(4, NUM_STAGES),
         interpret=interpret,
         name=f"mla_grouped_q{block_q}_h{block_h}_k{block_k}_s{splits}",
     )(offsets, table, lens, ql, qr, latent, rope)

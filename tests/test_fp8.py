@@ -143,13 +143,18 @@ def test_fp8_experts_from_a_bf16_checkpoint_are_quantized_on_load(tmp_path):
     assert np.isfinite(np.asarray(mlp(x))).all()
 
 
-def test_expert_weights_flag_is_checked_and_auto_keeps_the_model_dtype():
+def test_expert_weights_flag_is_checked_and_auto_keeps_fp8_checkpoints_in_fp8_on_gpus_only():
     from splash_jax.engine import EngineConfig
 
-    assert EngineConfig().resolved_expert_weights() == "model"  # until the FP8 kernel is measured on a GPU
-    assert EngineConfig(expert_weights="fp8").resolved_expert_weights() == "fp8"
+    auto = EngineConfig()
+    assert auto.resolved_expert_weights(fp8_checkpoint=True, backend="gpu") == "fp8"  # the Pallas kernel applies scales
+    assert auto.resolved_expert_weights(fp8_checkpoint=True, backend="cpu") == "model"  # XLA would dequantize per step
+    assert auto.resolved_expert_weights(fp8_checkpoint=False, backend="gpu") == "model"  # never quantize unasked
+    assert EngineConfig(expert_weights="fp8").resolved_expert_weights(False, "cpu") == "fp8"
+    assert EngineConfig(expert_weights="model").resolved_expert_weights(True, "gpu") == "model"
     with pytest.raises(ValueError, match="--expert-weights"):
-        EngineConfig(expert_weights="int4").resolved_expert_weights()
+        EngineConfig(expert_weights="int4").resolved_expert_weights(False, "cpu")
+
 
 
 def test_engine_with_fp8_experts_gives_the_same_tokens_sharded_as_on_one_device():

@@ -184,3 +184,25 @@ def test_engine_greedy_outputs_equal_single_device_in_every_layout():
     for name in LAYOUT_NAMES:
         engine = Engine(EngineConfig(layout=name, num_devices=N, **kw))
         assert [o.token_ids for o in engine.generate(prompts, params)] == single, name
+
+
+
+def test_partitioner_flag_is_checked_and_auto_picks_gspmd_on_gpus():
+    import jax
+
+    from splash_jax.engine import EngineConfig
+    from splash_jax.mesh.partitioner import use_partitioner
+
+    assert EngineConfig().resolved_partitioner("gpu") == "gspmd"
+    assert EngineConfig().resolved_partitioner("cpu") == "shardy"
+    assert EngineConfig(partitioner="gspmd").resolved_partitioner("cpu") == "gspmd"
+    with pytest.raises(ValueError, match="--partitioner"):
+        EngineConfig(partitioner="alpa").resolved_partitioner("cpu")
+    before = jax.config.jax_use_shardy_partitioner
+    try:
+        use_partitioner("gspmd")
+        assert jax.config.jax_use_shardy_partitioner is False
+        use_partitioner("shardy")
+        assert jax.config.jax_use_shardy_partitioner is True
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", before)

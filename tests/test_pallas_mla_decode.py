@@ -316,3 +316,20 @@ def test_gpu_grouped_kernel_real_shapes_bf16(block_q):
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), ~fin)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(want[1])[fin], rtol=1e-3, atol=1e-3)
     assert np.all(o[np.asarray(lens) == 0] == 0)
+
+
+def test_grouped_kernel_kv_tile_fits_shared_memory():
+    """On the H200 block_q 8 (128 query rows at 512 + 64) with a 64-row KV tile asked for 294,912
+    bytes of shared memory (limit 232,448); the tile choice keeps the query tile plus the
+    pipelined KV copies under the limit and stays as large as possible."""
+    from pallas_kernels.mla_grouped import NUM_STAGES, SHARED_MEMORY_BYTES, _fitting_block_k
+
+    def smem(rows, block_k):
+        return (rows + NUM_STAGES * block_k) * 576 * 2
+
+    assert smem(128, 64) == 294912  # what the GPU refused
+    for rows, want in ((64, 64), (128, 32), (256, 16)):
+        got = _fitting_block_k(rows, 576, 64, 2)
+        assert got == want
+        assert got == 16 or smem(rows, got) <= SHARED_MEMORY_BYTES < smem(rows, 2 * got)
+    assert _fitting_block_k(64, 576, 32, 2) == 32  # never larger than the page

@@ -45,6 +45,7 @@ from splash_jax.kv.capacity import (
     layout_token_capacity,
     pages_per_device,
 )
+from splash_jax.mesh.partitioner import use_partitioner
 from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, POOL_SPEC, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
 from splash_jax.model_config import ModelConfig
@@ -80,6 +81,7 @@ class Engine:
         self.config = config
         enable_compilation_cache(config.compile_cache_dir)
         backend = jax.default_backend()
+        use_partitioner(config.resolved_partitioner(backend))
         self.layout = get_layout(config.layout)
         self.mesh = make_mesh(config.num_devices)
         self.n = self.mesh.shape[AXIS]
@@ -90,7 +92,7 @@ class Engine:
         t0 = time.perf_counter()
         path = Path(config.model) if config.model else DEFAULT_MODEL
         fp8_checkpoint = model is None and _checkpoint_is_fp8(path)
-        expert_format = config.resolved_expert_weights()
+        expert_format = config.resolved_expert_weights(fp8_checkpoint, backend)
         if fp8_checkpoint and expert_format == "model":
             log.info("FP8 checkpoint: routed experts dequantized to %s; --expert-weights fp8 keeps them in FP8 "
                      "(half the expert memory)", dtype)
