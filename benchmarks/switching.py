@@ -131,6 +131,7 @@ def main(argv=None):
             "handoff_step_x": handoff_step / base_dst if handoff_step else None,
             "copy_GBps": info["bytes_moved"] / copy_s / 1e9 if copy_s and info["bytes_moved"] else None,
             "copy_of_link": info["bytes_moved"] / copy_s / link if copy_s and link and info["bytes_moved"] else None,
+            "handoff_phases_ms": info["handoff_phases_ms"], "handoff_step_ms": handoff_step * 1e3 if handoff_step else None,
         })
         log.info("%s", rows[-1])
         clear(engine, reqs)

@@ -229,8 +229,7 @@ class StepExecutor:
 
         def per_device(params, kv, penalties, prev_tokens, rep, dev, *move):
             if moving:
-                kv_in = kv
-                outgoing = move_pages_start(kv_in, move[0][0])
+                outgoing, kv = move_pages_start(kv, move[0][0])
             batch, sampling, token_slot, prompt_len = unpack_step(shape, rep, dev[0], prev_tokens)
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
             logits, kv = model(kv, batch, ctx=ctx)

@@ -63,6 +63,7 @@ class SwitchHandle:
     bytes_moved: int = 0
     steps_overlapped: int = 0
     handoff_s: float = 0.0
+    handoff_phases_ms: dict = dataclasses.field(default_factory=dict)  # where the handoff's host time went
     preempted: list[str] = dataclasses.field(default_factory=list)
     plan: dict = dataclasses.field(default_factory=dict)
     _cancel: bool = False
@@ -90,7 +91,7 @@ class SwitchHandle:
             "src": self.src, "dst": self.dst, "state": self.state.value, "reason": self.reason,
             "progress": self.progress, "pages_copied": self.pages_copied, "bytes_moved": self.bytes_moved,
             "steps_overlapped": self.steps_overlapped, "duration_s": self.duration_s, "handoff_s": self.handoff_s,
-            "preempted": list(self.preempted), "plan": self.plan,
+            "handoff_phases_ms": dict(self.handoff_phases_ms), "preempted": list(self.preempted), "plan": self.plan,
         }
 
 
@@ -288,9 +289,21 @@ class SwitchController:
     def _handoff(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
         engine, t0 = self.engine, time.perf_counter()
         sched, src, dst = engine.scheduler, plan.src, plan.dst
-        # With overlapped scheduling a step may still be running on the device; the handoff deletes
-        # buffers it uses (resharded weight leaves, the extra segment), so wait for it first.
-        jax.block_until_ready((engine.executor.pool, engine.executor.params))
+        last = [t0]
+
+        def phase(name: str) -> None:
+            now = time.perf_counter()
+            handle.handoff_phases_ms[name] = (now - last[0]) * 1e3
+            last[0] = now
+
+        # With overlapped scheduling a step may still be running on the device. A handoff that
+        # deletes buffers it uses (resharded weight leaves, the extra segment) waits for it first;
+        # one that only changes metadata does not (the wait costs up to a whole step).
+        deletes = plan.extra_segment == "remove" or any(
+            x.sharding.spec != dst.param_spec(path) for path, x in engine.executor.param_items())
+        if deletes:
+            jax.block_until_ready((engine.executor.pool, engine.executor.params))
+        phase("wait_for_device")
         load = Counter(p.owner for p in plan.requests.values())
         # 1. Extend plans to every page holding data (and plan requests admitted meanwhile).
         for r in sorted(sched.running, key=lambda r: r.order):
@@ -316,13 +329,16 @@ class SwitchController:
                     handle.preempted.append(victim.request_id)
                     if victim is r:
                         break
+        phase("extend_plans")
         self._copy(handle, plan)
+        phase("copy_last_pages")
         # 2. Page tables and owners change; pages the destination does not keep are freed.
         sched.set_placement(dst.kv_placement)
         for p in plan.requests.values():
             finalize_frees(p)
             engine.allocator.free(p.to_free)
         ex = engine.executor
+        phase("free_pages")
         # 3. Pool segment and weights, in the order that never needs both memories at once.
         if plan.extra_segment == "remove":
             engine.allocator.remove_extra_segment()
@@ -333,12 +349,14 @@ class SwitchController:
             extra_latent, extra_rope = self._make_extra()
             kv = dataclasses.replace(kv, extra_latent=extra_latent, extra_rope=extra_rope)
             engine.allocator.add_extra_segment(engine.extra_pages)
+        phase("pool_and_weights")
         # 4. Page tables follow the new pages (per running request, not per pool page); then the
         #    executor's params, pool and layout change together.
         for p in plan.requests.values():
             sched.replace_pages(p.request, p.dst_pages, p.owner)
         ex.swap(dst, params, kv)
         engine.layout = dst
+        phase("page_tables")
         handle.handoff_s = time.perf_counter() - t0
         handle.plan = plan.summary()
         self._finish(handle, SwitchState.DONE)
