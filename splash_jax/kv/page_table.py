@@ -40,21 +40,27 @@ class PageTables:
         self.entries[:, slot] = 0
 
     def append(self, slot: int, device: int, pages: list[int], placement: Placement, allocator: PageAllocator) -> None:
-        """Record pages just appended to `device_pages[device]` of the request in `slot`."""
-        if not pages:
+        """Record pages just appended to `device_pages[device]` of the request in `slot`.
+
+        Vectorized over the pages (a handoff rewrites every running request's table at once: the
+        per-page loop took ~18-37 ms for 64 requests x 4K tokens on the H200 host)."""
+        if not len(pages):
             return
         _, segments, locals_ = allocator.locate(pages)
-        for seg, local in zip(segments.tolist(), locals_.tolist()):
-            k = int(self.entries[device, slot])
-            j = placement.page_index(device, k, self.n)
-            if j >= self.m:
-                raise ValueError(f"page index {j} exceeds the {self.m} pages a request may hold")
+        segments, locals_ = np.asarray(segments, np.int64), np.asarray(locals_, np.int32)
+        k0 = int(self.entries[device, slot])
+        js = np.asarray(placement.page_index(device, np.arange(k0, k0 + len(locals_)), self.n))
+        if js[-1] >= self.m:  # page_index grows with the entry
+            raise ValueError(f"page index {int(js[-1])} exceeds the {self.m} pages a request may hold")
+        self.local_of[device, segments, slot, js] = locals_
+        for seg in np.unique(segments).tolist():
+            mine = locals_[segments == seg]
             c = int(self.count[device, seg, slot])
-            self.local_of[device, seg, slot, j] = local
-            self.compact[device, seg, slot, c] = local
-            self.count[device, seg, slot] = c + 1
-            self.before[device, seg, slot, j + 1 :] += 1
-            self.entries[device, slot] = k + 1
+            self.compact[device, seg, slot, c : c + len(mine)] = mine
+            self.count[device, seg, slot] = c + len(mine)
+            held = (self.local_of[device, seg, slot] >= 0).astype(np.int32)
+            self.before[device, seg, slot] = np.cumsum(held) - held  # held pages with a smaller index
+        self.entries[device, slot] = k0 + len(locals_)
 
     def rebuild(self, slot: int, device_pages: list[list[int]], placement: Placement, allocator: PageAllocator) -> None:
         """A request's pages changed wholesale (a layout switch): rewrite its slot."""
