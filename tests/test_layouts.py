@@ -206,3 +206,12 @@ def test_partitioner_flag_is_checked_and_auto_picks_gspmd_on_gpus():
         assert jax.config.jax_use_shardy_partitioner is True
     finally:
         jax.config.update("jax_use_shardy_partitioner", before)
+
+
+def test_warmup_runs_flag_is_checked_and_auto_runs_programs_on_accelerators_only():
+    assert EngineConfig().resolved_warmup_runs("gpu") is True
+    assert EngineConfig().resolved_warmup_runs("cpu") is False
+    assert EngineConfig(warmup=False).resolved_warmup_runs("gpu") is False  # nothing compiled ahead to run
+    assert EngineConfig(warmup_runs="on").resolved_warmup_runs("cpu") is True
+    with pytest.raises(ValueError, match="--warmup-runs"):
+        EngineConfig(warmup_runs="maybe").resolved_warmup_runs("cpu")

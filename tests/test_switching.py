@@ -13,7 +13,7 @@ import pytest
 from splash_jax.compile_guard import count_compiles
 from splash_jax.engine.request import accumulate
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
-from splash_jax.mesh.layouts import LAYOUT_NAMES
+from splash_jax.mesh.layouts import LAYOUT_NAMES, get_layout
 from splash_jax.switch.controller import SwitchState
 
 N = 8
@@ -302,5 +302,24 @@ def test_switches_under_synchronous_scheduling_keep_outputs_identical(engine, fi
     finally:
         engine.set_overlap(True)
     assert compiles.count == 0 and sum(h.state == SwitchState.DONE for h in handles) >= 3
+    for i in range(len(PROMPTS)):
+        assert done[i].token_ids == fixed_outputs[i].token_ids, (i, PROMPTS[i])
+
+
+def test_running_every_program_once_leaves_outputs_and_history_unchanged(engine, fixed_outputs):
+    """The start-up first-run pass (`--warmup-runs`, default on GPUs) executes every layout's
+    compiled programs on padding steps, compiles nothing, ends in the starting layout with no
+    switch recorded, and the next workload's outputs equal the fixed-layout reference."""
+    _settle_in(engine, "dop")
+    history = list(engine.switcher.history)
+    ex = engine.executor
+    expected = sum(len(ex.buckets(get_layout(n))) for n in LAYOUT_NAMES) * 2 * 2  # moving x sampler
+    with count_compiles() as compiles:
+        ran = engine.run_every_program_once()
+    assert compiles.count == 0, compiles.events
+    assert ran == expected
+    assert engine.layout.name == "dop" and engine.switcher.history == history
+    assert engine.stats()["pages_used"] == 0
+    done, _ = run(engine, None)
     for i in range(len(PROMPTS)):
         assert done[i].token_ids == fixed_outputs[i].token_ids, (i, PROMPTS[i])

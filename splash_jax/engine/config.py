@@ -48,6 +48,11 @@ class EngineConfig:
     seed: int = 0
     compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
     warmup: bool = True  # compile every bucket at start-up
+    # Run every compiled step program once on an all-padding step at start-up (with switching, in
+    # every layout): a GPU program's first execution loads its kernels and sets up its collectives,
+    # which otherwise lands on the first real step (a switch's handoff step, a benchmark's first
+    # run). auto: on GPUs and TPUs with --warmup; off on CPU, where first runs cost little.
+    warmup_runs: str = "auto"
     compile_threads: int = 0  # parallel ahead-of-time compiles; 0 = auto: one per CPU on GPU/TPU, 1 on CPU (measured: no gain)
     # Decoder layers under lax.scan (compile time independent of depth); off: unrolled. On GPUs the
     # scanned step gets cuBLAS GEMMs with dynamic-slice fusion (executor.SCANNED_GPU_OPTIONS) and the
@@ -68,6 +73,13 @@ class EngineConfig:
         if self.expert_weights == "auto":
             return "fp8" if fp8_checkpoint and backend == "gpu" else "model"
         return self.expert_weights
+
+    def resolved_warmup_runs(self, backend: str) -> bool:
+        if self.warmup_runs not in ("auto", "on", "off"):
+            raise ValueError(f"--warmup-runs must be auto, on or off, got {self.warmup_runs!r}")
+        if self.warmup_runs == "auto":
+            return self.warmup and backend != "cpu"
+        return self.warmup_runs == "on"
 
     def resolved_partitioner(self, backend: str) -> str:
         if self.partitioner not in ("auto", "shardy", "gspmd"):

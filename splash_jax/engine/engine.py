@@ -173,6 +173,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
+        if config.resolved_warmup_runs(backend):
+            self.run_every_program_once()
         self._completed_last_call = False
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -232,6 +234,45 @@ class Engine:
         return self.scheduler.has_work() or inflight or bool(self._failed) or bool(self.switcher and self.switcher.active)
 
     # --- one step ------------------------------------------------------------------------
+    def run_every_program_once(self) -> int:
+        """Execute each compiled step program once on an all-padding step (no request; padding
+        rows write no page a request owns), in every layout when switching, and end in the layout
+        the engine started in. Returns the number of programs run. Only while idle; the start-up
+        switches it makes are not counted in the switch history."""
+        if self.scheduler.running or self.scheduler.waiting or self._inflight is not None:
+            raise RuntimeError("run_every_program_once needs an idle engine")
+        start, t0, count = self.layout.name, time.perf_counter(), 0
+        history = list(self.switcher.history) if self.switcher is not None else []
+        others = [n for n in LAYOUT_NAMES if n != start] if self.switcher is not None else []
+        for name in [start] + others:
+            self._switch_while_idle(name)
+            ex = self.executor
+            moves = [None] + ([self.switcher.empty_moves()] if self.switcher is not None and ex.move_pages else [])
+            for bucket in ex.buckets(self.layout):
+                packed = pack_step(ex.shape(self.layout, bucket), [], self.scheduler.tables, self.slot_sampling,
+                                   self.config.page_size)
+                for move in moves:
+                    for full in (False, True):
+                        ex.run(bucket, packed.rep, packed.dev, move, full)
+                        count += 1
+        self._switch_while_idle(start)
+        jax.block_until_ready(self.executor.pool)
+        self.executor.reset_sampling_state()  # padding rows leave no history or pending tokens behind
+        if self.switcher is not None:
+            self.switcher.history[:] = history
+        log.info("ran %d step programs once each in %.1fs (first-run costs paid at start-up)", count,
+                 time.perf_counter() - t0)
+        return count
+
+    def _switch_while_idle(self, name: str) -> None:
+        if name == self.layout.name:
+            return
+        handle = self.switch_layout(name)
+        while not handle.done:
+            self.step()  # idle: the handoff happens at this batch boundary
+        if handle.state.value != "done":
+            raise RuntimeError(f"switch to {name} while idle did not finish: {handle.state.value} ({handle.reason})")
+
     def switch_layout(self, dst: str, preempt: bool = False):
         """Start a live switch to layout `dst` (non-blocking); returns a handle with progress.
 

@@ -343,6 +343,11 @@ class StepExecutor:
         self.prev_tokens = out.tokens
         return out
 
+    def reset_sampling_state(self) -> None:
+        """Zero the penalty history and the previous step's tokens (the pool is left as it is)."""
+        self.penalties = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self.replicated), self.penalties)
+        self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
+
     def reset_device_state(self) -> None:
         """After a failed step the donated pool may be gone: start from an empty pool (callers recompute)."""
         self.kv = jax.tree.map(

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 
 from splash_jax.kv.allocator import OutOfPages
 from splash_jax.mesh.layouts import POOL_SPEC, Layout, get_layout
-from splash_jax.switch.migration import PageMover, WeightResharder, chunk_buffer, drop_extra_segment, pack_chunks
+from splash_jax.switch.migration import PageChunk, PageMover, WeightResharder, chunk_buffer, drop_extra_segment, pack_chunks
 from splash_jax.switch.planner import (
     SwitchRefused,
     TransitionPlan,
@@ -239,6 +239,13 @@ class SwitchController:
         handle.pages_copied += len(copies)
         handle.bytes_moved += len(copies) * self.engine.page_bytes
         return chunk_buffer(chunk)
+
+    def empty_moves(self) -> np.ndarray:
+        """A moving step's index buffer that copies nothing (every receive slot dropped)."""
+        alloc, k, n = self.engine.allocator, self.chunk_pages, self.engine.n
+        sentinel = alloc.pages_per_device + alloc.extra_per_device + 1
+        zeros = np.zeros((n, n, k), np.int32)
+        return chunk_buffer(PageChunk(zeros, zeros, np.full((n, n, k), sentinel, np.int32), zeros, 0))
 
     # --- internals ---------------------------------------------------------------------------------
     def _pending(self, plan: TransitionPlan) -> list[tuple[str, tuple[int, int]]]:
