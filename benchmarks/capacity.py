@@ -29,28 +29,31 @@ log = logging.getLogger("benchmarks.capacity")
 GB = 1e9
 
 
-def per_device_weight_bytes(state, layout, n: int, weight_bytes: float) -> float:
+def per_device_weight_bytes(state, layout, n: int) -> float:
+    """Bytes per device of the params as the engine holds them (each leaf's own dtype: bf16, or
+    e4m3 + f32 block scales for FP8 routed experts), sharded by the layout's rule table."""
     total = 0.0
     for path, var in nnx.to_flat_state(state):
         spec = layout.param_spec(tuple(str(p) for p in path))
-        count = float(np.prod(var.shape))
-        total += count * weight_bytes / (n if AXIS in tuple(spec) else 1)
+        nbytes = float(np.prod(var.shape)) * np.dtype(var.dtype).itemsize
+        total += nbytes / (n if AXIS in tuple(spec) else 1)
     return total
 
 
-def shape_table(name: str, n: int, hbm_gb: float, weight_bytes: float, reserve_gb: float, page_size: int,
+def shape_table(name: str, n: int, hbm_gb: float, expert_format: str, reserve_gb: float, page_size: int,
                 label: str | None = None) -> list[dict]:
-    """Rows per layout; a layout whose weights alone exceed the device memory gets 0 tokens."""
+    """Rows per layout from the abstract params the engine would build (`--expert-weights
+    expert_format`, everything else bf16); a layout whose weights alone exceed the device memory
+    gets 0 tokens."""
     cfg = ModelConfig.from_hf_dict(SHAPES[name]).padded_to(n)  # the padded arrays the loader builds
-    _, state = abstract_model(cfg, RuntimeOptions(dtype="bfloat16"))
+    _, state = abstract_model(cfg, RuntimeOptions(dtype="bfloat16", expert_format=expert_format))
     page = bytes_per_page(cfg, page_size, "bfloat16")
-    dp_weights = per_device_weight_bytes(state, LAYOUTS["dp"], n, weight_bytes)
+    dp_weights = per_device_weight_bytes(state, LAYOUTS["dp"], n)
     base_pages = max(0, int((hbm_gb * GB - reserve_gb * GB - dp_weights) // page))
-    head_bytes = head_sharded_weight_bytes(state) * weight_bytes / 2  # abstract state is bf16
-    caps = layout_capacities(cfg, n, page_size, "bfloat16", base_pages, int(head_bytes))
+    caps = layout_capacities(cfg, n, page_size, "bfloat16", base_pages, head_sharded_weight_bytes(state))
     rows = []
     for lay, cap in caps.items():
-        w = per_device_weight_bytes(state, LAYOUTS[lay], n, weight_bytes)
+        w = per_device_weight_bytes(state, LAYOUTS[lay], n)
         fits = w + reserve_gb * GB < hbm_gb * GB
         kv = (cap["base_pages_per_device"] + cap["extra_pages_per_device"]) * page if fits else 0
         tokens = cap["tokens"] if fits else 0
@@ -94,11 +97,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
-    # What loads today: FP8 checkpoints are dequantized to bf16 (2 bytes/param), so DeepSeek-V3
-    # does not fit 8 x 141 GB; the FP8 rows are what keeping FP8 weights in HBM would give. KV in bf16.
-    rows = shape_table("v3", args.devices, args.hbm_gb, 2.0, args.reserve_gb, args.page_size, "v3 (bf16, as loaded)")
-    rows += shape_table("v3", args.devices, args.hbm_gb, 1.0, args.reserve_gb, args.page_size, "v3 (FP8 in HBM, not yet)")
-    rows += shape_table("v2-lite", args.devices, args.hbm_gb, 2.0, args.reserve_gb, args.page_size)
+    # What the engine holds: bf16 everywhere (--expert-weights model), or the routed experts as
+    # e4m3 + f32 128x128 block scales (--expert-weights fp8, the GPU default for FP8 checkpoints)
+    # with attention, shared experts, dense layers, embeddings and head in bf16. KV in bf16.
+    rows = shape_table("v3", args.devices, args.hbm_gb, "model", args.reserve_gb, args.page_size, "v3 (bf16 experts)")
+    rows += shape_table("v3", args.devices, args.hbm_gb, "fp8", args.reserve_gb, args.page_size, "v3 (FP8 routed experts)")
+    rows += shape_table("v2-lite", args.devices, args.hbm_gb, "model", args.reserve_gb, args.page_size)
     print(table(rows, ["model", "layout", "weights_GB_per_dev", "kv_GB_per_dev", "total_GB_per_dev", "tokens", "fits", "vs_dp"]))
     measured = []
     if not args.skip_measured:

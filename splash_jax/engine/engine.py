@@ -173,8 +173,6 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
-        if config.resolved_warmup_runs(backend):
-            self.run_every_program_once()
         self._completed_last_call = False
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -182,6 +180,8 @@ class Engine:
         self._failed: list[RequestOutput] = []
         self.num_steps = 0
         self.num_step_failures = 0
+        if config.resolved_warmup_runs(backend):  # every process runs it itself, before mirroring starts
+            self.run_every_program_once()
         distributed.attach(self)  # multi-process: process 0 streams its device calls to the others
 
     # --- requests ------------------------------------------------------------------------

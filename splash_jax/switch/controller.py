@@ -112,7 +112,7 @@ class SwitchController:
             for lay in layouts:
                 structure = ex.kv_abstract(lay).num_segments
                 if structure not in self.movers:
-                    self.movers[structure] = PageMover(engine.mesh, ex.kv_abstract(lay), chunk_pages)
+                    self.movers[structure] = PageMover(engine.mesh, ex.kv_abstract(lay), self.handoff_chunk_pages())
             self._precompile_weight_programs()
             self._make_extra = self._extra_segment_program()
             rec["programs"] = len(self.movers) + len(self.resharder._programs) + (self._make_extra is not None)
@@ -193,6 +193,15 @@ class SwitchController:
         self.active = (handle, plan)
         log.info("switch %s -> %s started: %s", src.name, dst.name, handle.plan)
         return handle
+
+    def handoff_chunk_pages(self, budget_bytes: int = 256 * 2**20) -> int:
+        """Pages per device pair in one call of the handoff's mover: room for one partial last page
+        per running request (one call instead of max_num_seqs / chunk_pages calls, each a program
+        launch and an index upload: 2-8 ms of handoff on 2 H200s), capped so its in-flight buffer
+        (N x K pages, all layers) stays under `budget_bytes`."""
+        engine = self.engine
+        cap = budget_bytes // max(1, engine.n * engine.page_bytes)
+        return max(self.chunk_pages, min(engine.config.max_num_seqs, cap))
 
     def metrics(self) -> dict:
         """Totals over finished switches, and the last one."""
@@ -293,7 +302,7 @@ class SwitchController:
         engine = self.engine
         ex = engine.executor
         mover = self.movers[ex.kv_abstract(ex.layout).num_segments]
-        for chunk in pack_chunks([c for _, c in pending], engine.allocator, self.chunk_pages):
+        for chunk in pack_chunks([c for _, c in pending], engine.allocator, self.handoff_chunk_pages()):
             ex.apply_to_pool(lambda kv, chunk=chunk: mover(kv, chunk))
         for rid, _ in pending:
             self._cursor[rid] += 1
