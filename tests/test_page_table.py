@@ -53,3 +53,38 @@ def test_append_past_the_table_width_is_refused():
     t = PageTables(1, 1, 4)
     with pytest.raises(ValueError, match="exceeds the 4 pages"):
         t.append(0, 0, allocator.allocate(5, 0), REPLICATED, allocator)
+
+
+@pytest.mark.parametrize("placement", [REPLICATED, OWNER, STRIPED], ids=lambda p: p.name)
+def test_rebuilding_many_slots_at_once_equals_appending_each(placement):
+    """A handoff rewrites every running request's slot in one call; the tables must be what
+    clearing each slot and appending its pages device by device gives (other slots untouched)."""
+    rng = np.random.default_rng(11)
+    n, slots, m = 4, 8, 48
+    allocator = PageAllocator(n, 60, 16, extra_pages_per_device=60)
+    got, want = PageTables(n, slots, m), PageTables(n, slots, m)
+    for slot in range(slots):  # earlier state in every slot, to be overwritten or kept
+        page = allocator.allocate(1, slot % n)
+        got.append(slot, slot % n, page, placement, allocator)
+        reference_append(want, slot, slot % n, page, placement, allocator)
+    for d in range(n):
+        allocator.allocate(allocator.num_free(d) - 60 - 8, d)  # leave 8 base pages: the rest come from the extra segment
+    chosen = [6, 1, 3, 4]
+    pages = []
+    for _ in chosen:
+        per_device = []
+        for d in range(n):
+            count = sum(1 for k in range(int(rng.integers(0, 12))) if placement.page_index(d, k, n) < m)
+            got_pages = allocator.allocate(count, d) if count else []
+            rng.shuffle(got_pages)
+            per_device.append(list(got_pages))
+        pages.append(per_device)
+    got.rebuild_many(chosen, pages, placement, allocator)
+    for slot, per_device in zip(chosen, pages):
+        want.clear(slot)
+        for d, p in enumerate(per_device):
+            if p:
+                reference_append(want, slot, d, p, placement, allocator)
+    for name in ("local_of", "before", "compact", "count", "entries"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert any(allocator.locate(p)[1].any() for per_device in pages for p in per_device if p)  # extra pages used

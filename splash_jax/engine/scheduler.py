@@ -240,10 +240,13 @@ class Scheduler:
     def set_placement(self, placement: Placement) -> None:
         self.placement = placement
 
-    def replace_pages(self, request: Request, device_pages: list[list[int]], owner: int) -> None:
-        """A switch handed off: the request's pages are now `device_pages` under the new placement."""
-        request.device_pages, request.owner = device_pages, owner
-        self.tables.rebuild(request.slot, device_pages, self.placement, self.allocator)
+    def replace_pages(self, moves: list[tuple[Request, list[list[int]], int]]) -> None:
+        """A switch handed off: each (request, device_pages, owner) now holds `device_pages` under
+        the new placement; their page-table slots are rewritten together."""
+        for request, device_pages, owner in moves:
+            request.device_pages, request.owner = device_pages, owner
+        self.tables.rebuild_many([r.slot for r, _, _ in moves], [pages for _, pages, _ in moves], self.placement,
+                                 self.allocator)
 
     # --- after a step -------------------------------------------------------------------------
     def update(self, chunks: list[ScheduledChunk], rows: list[int], tokens) -> list[TokenUpdate]:

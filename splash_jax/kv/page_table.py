@@ -64,6 +64,43 @@ class PageTables:
 
     def rebuild(self, slot: int, device_pages: list[list[int]], placement: Placement, allocator: PageAllocator) -> None:
         """A request's pages changed wholesale (a layout switch): rewrite its slot."""
-        self.clear(slot)
-        for d, pages in enumerate(device_pages):
-            self.append(slot, d, pages, placement, allocator)
+        self.rebuild_many([slot], [device_pages], placement, allocator)
+
+    def rebuild_many(self, slots: list[int], device_pages: list[list[list[int]]], placement: Placement,
+                     allocator: PageAllocator) -> None:
+        """Several requests' pages changed wholesale (a handoff): rewrite their slots together, a
+        few array operations per device for all of them (not per request)."""
+        if not slots:
+            return
+        sl = np.asarray(slots, np.int64)
+        if len(np.unique(sl)) != len(sl):
+            raise ValueError("rebuild_many needs distinct slots")
+        self.local_of[:, :, sl] = -1
+        self.before[:, :, sl] = 0
+        self.compact[:, :, sl] = 0
+        self.count[:, :, sl] = 0
+        self.entries[:, sl] = 0
+        for d in range(self.n):
+            lens = np.array([len(pages[d]) for pages in device_pages], np.int64)
+            total = int(lens.sum())
+            if total == 0:
+                continue
+            pages = np.concatenate([np.asarray(request[d], np.int64) for request in device_pages])
+            slot_of = np.repeat(sl, lens)
+            entry = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)  # k within its request
+            js = np.asarray(placement.page_index(d, entry, self.n))
+            if js.max() >= self.m:
+                raise ValueError(f"page index {int(js.max())} exceeds the {self.m} pages a request may hold")
+            _, segs, locals_ = allocator.locate(pages)
+            self.local_of[d, segs, slot_of, js] = locals_
+            # compact: the m-th page of (segment, slot) in entry order (= position order)
+            group = segs * self.num_slots + slot_of
+            order = np.argsort(group, kind="stable")
+            g = group[order]
+            first = np.r_[True, g[1:] != g[:-1]]
+            start = np.maximum.accumulate(np.where(first, np.arange(total), 0))
+            self.compact[d, segs[order], slot_of[order], np.arange(total) - start] = locals_[order]
+            np.add.at(self.count[d], (segs, slot_of), 1)
+            self.entries[d, sl] = lens
+            held = (self.local_of[d][:, sl] >= 0).astype(np.int32)  # [segments, slots, M]
+            self.before[d][:, sl] = np.cumsum(held, axis=-1) - held

@@ -388,8 +388,7 @@ class SwitchController:
         phase("pool_and_weights")
         # 4. Page tables follow the new pages (per running request, not per pool page); then the
         #    executor's params, pool and layout change together.
-        for p in plan.requests.values():
-            sched.replace_pages(p.request, p.dst_pages, p.owner)
+        sched.replace_pages([(p.request, p.dst_pages, p.owner) for p in plan.requests.values()])
         ex.swap(dst, params, kv)
         engine.layout = dst
         phase("page_tables")

@@ -86,12 +86,18 @@ def dst_devices(layout: Layout, n: int, owner: int, page_index: int) -> tuple[in
     return layout.kv_placement.devices_of_page(page_index, owner, n)
 
 
-def page_holders(layout: Layout, n: int, device_pages: list[list[int]]) -> dict[int, list[tuple[int, int]]]:
-    """page index j -> [(device, global page id)] under the layout that placed them."""
+def page_holders(layout: Layout, n: int, device_pages: list[list[int]], from_index: int = 0) -> dict[int, list[tuple[int, int]]]:
+    """page index j >= from_index -> [(device, global page id)] under the layout that placed them.
+
+    Page indices grow with a device's entries, so only each list's tail is read: a handoff
+    extends every running request's plan by its last few pages, not its whole cache."""
     holders: dict[int, list[tuple[int, int]]] = {}
     for d, pages in enumerate(device_pages):
-        for k, page in enumerate(pages):
-            holders.setdefault(layout.kv_placement.page_index(d, k, n), []).append((d, page))
+        for k in range(len(pages) - 1, -1, -1):
+            j = layout.kv_placement.page_index(d, k, n)
+            if j < from_index:
+                break
+            holders.setdefault(j, []).append((d, pages[k]))  # one entry per (device, j): ordered by device
     return holders
 
 
@@ -109,8 +115,8 @@ def plan_request(
     """Reserve destination pages for `request`'s pages (up to `upto_tokens`), extending `existing`."""
     n = allocator.num_devices
     num_pages = pages_for_tokens(upto_tokens if upto_tokens is not None else request.num_computed, allocator.page_size)
-    holders = page_holders(src, n, request.device_pages)
     plan = existing or RequestPlan(request, owner, [[] for _ in range(n)], [], [], [], 0)
+    holders = page_holders(src, n, request.device_pages, from_index=plan.planned_pages)
     # All or nothing: a failed extension (no free page) leaves `existing` exactly as it was.
     lengths = [len(x) for x in plan.dst_pages], len(plan.reserved), len(plan.copies)
     try:
