@@ -244,18 +244,22 @@ class Engine:
         start, t0, count = self.layout.name, time.perf_counter(), 0
         history = list(self.switcher.history) if self.switcher is not None else []
         others = [n for n in LAYOUT_NAMES if n != start] if self.switcher is not None else []
-        for name in [start] + others:
-            self._switch_while_idle(name)
-            ex = self.executor
-            moves = [None] + ([self.switcher.empty_moves()] if self.switcher is not None and ex.move_pages else [])
-            for bucket in ex.buckets(self.layout):
-                packed = pack_step(ex.shape(self.layout, bucket), [], self.scheduler.tables, self.slot_sampling,
-                                   self.config.page_size)
-                for move in moves:
-                    for full in (False, True):
-                        ex.run(bucket, packed.rep, packed.dev, move, full)
-                        count += 1
-        self._switch_while_idle(start)
+        policy, self.policy = self.policy, None  # no policy decision between these switches
+        try:
+            for name in [start] + others:
+                self._switch_while_idle(name)
+                ex = self.executor
+                moves = [None] + ([self.switcher.empty_moves()] if self.switcher is not None and ex.move_pages else [])
+                for bucket in ex.buckets(self.layout):
+                    packed = pack_step(ex.shape(self.layout, bucket), [], self.scheduler.tables, self.slot_sampling,
+                                       self.config.page_size)
+                    for move in moves:
+                        for full in (False, True):
+                            ex.run(bucket, packed.rep, packed.dev, move, full)
+                            count += 1
+            self._switch_while_idle(start)
+        finally:
+            self.policy = policy
         jax.block_until_ready(self.executor.pool)
         self.executor.reset_sampling_state()  # padding rows leave no history or pending tokens behind
         if self.switcher is not None:
