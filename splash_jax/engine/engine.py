@@ -243,7 +243,8 @@ class Engine:
             raise RuntimeError("run_every_program_once needs an idle engine")
         start, t0, count = self.layout.name, time.perf_counter(), 0
         history = list(self.switcher.history) if self.switcher is not None else []
-        others = [n for n in LAYOUT_NAMES if n != start] if self.switcher is not None else []
+        # One device: every layout runs TP's programs (StepExecutor.program_layout), so one pass does.
+        others = [n for n in LAYOUT_NAMES if n != start] if self.switcher is not None and self.n > 1 else []
         policy, self.policy = self.policy, None  # no policy decision between these switches
         try:
             for name in [start] + others:
