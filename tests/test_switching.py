@@ -316,8 +316,9 @@ def test_running_every_program_once_leaves_outputs_and_history_unchanged(engine,
     expected = sum(len(ex.buckets(get_layout(n))) for n in LAYOUT_NAMES) * 2 * 2  # moving x sampler
     with count_compiles() as compiles:
         ran = engine.run_every_program_once()
+        greedy_only = engine.run_every_program_once(full_sampler=False)
     assert compiles.count == 0, compiles.events
-    assert ran == expected
+    assert ran == expected and greedy_only == expected // 2
     assert engine.layout.name == "dop" and engine.switcher.history == history
     assert engine.stats()["pages_used"] == 0
     done, _ = run(engine, None)

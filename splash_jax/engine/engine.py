@@ -234,11 +234,12 @@ class Engine:
         return self.scheduler.has_work() or inflight or bool(self._failed) or bool(self.switcher and self.switcher.active)
 
     # --- one step ------------------------------------------------------------------------
-    def run_every_program_once(self) -> int:
+    def run_every_program_once(self, full_sampler: bool = True) -> int:
         """Execute each compiled step program once on an all-padding step (no request; padding
         rows write no page a request owns), in every layout when switching, and end in the layout
         the engine started in. Returns the number of programs run. Only while idle; the start-up
-        switches it makes are not counted in the switch history."""
+        switches it makes are not counted in the switch history. full_sampler=False: the greedy
+        programs only (a caller that compiled only those)."""
         if self.scheduler.running or self.scheduler.waiting or self._inflight is not None:
             raise RuntimeError("run_every_program_once needs an idle engine")
         start, t0, count = self.layout.name, time.perf_counter(), 0
@@ -255,7 +256,7 @@ class Engine:
                     packed = pack_step(ex.shape(self.layout, bucket), [], self.scheduler.tables, self.slot_sampling,
                                        self.config.page_size)
                     for move in moves:
-                        for full in (False, True):
+                        for full in (False, True) if full_sampler else (False,):
                             ex.run(bucket, packed.rep, packed.dev, move, full)
                             count += 1
             self._switch_while_idle(start)
