@@ -104,6 +104,7 @@ class SwitchController:
         self.chunk_pages = chunk_pages
         self._cursor: dict[str, int] = {}
         self._pairs: dict[str, list[tuple[int, int]]] = {}
+        self.handoff_chunk_pages = self._handoff_chunk_pages()  # the handoff mover's compiled K
         ex = engine.executor
         layouts = [get_layout(n) for n in ("dp", "tp")]  # one without and one with the extra segment
         self.movers = {}
@@ -112,7 +113,7 @@ class SwitchController:
             for lay in layouts:
                 structure = ex.kv_abstract(lay).num_segments
                 if structure not in self.movers:
-                    self.movers[structure] = PageMover(engine.mesh, ex.kv_abstract(lay), self.handoff_chunk_pages())
+                    self.movers[structure] = PageMover(engine.mesh, ex.kv_abstract(lay), self.handoff_chunk_pages)
             self._precompile_weight_programs()
             self._make_extra = self._extra_segment_program()
             rec["programs"] = len(self.movers) + len(self.resharder._programs) + (self._make_extra is not None)
@@ -189,16 +190,17 @@ class SwitchController:
         handle.pages_planned = len(plan.copies)
         handle.plan = plan.summary()
         self._cursor = {rid: 0 for rid in plan.requests}
-        self._pairs: dict[str, list[tuple[int, int]]] = {}
+        self._pairs = {}
         self.active = (handle, plan)
         log.info("switch %s -> %s started: %s", src.name, dst.name, handle.plan)
         return handle
 
-    def handoff_chunk_pages(self, budget_bytes: int = 256 * 2**20) -> int:
+    def _handoff_chunk_pages(self, budget_bytes: int = 256 * 2**20) -> int:
         """Pages per device pair in one call of the handoff's mover: room for one partial last page
-        per running request (one call instead of max_num_seqs / chunk_pages calls, each a program
-        launch and an index upload: 2-8 ms of handoff on 2 H200s), capped so its in-flight buffer
-        (N x K pages, all layers) stays under `budget_bytes`."""
+        per running request, so the handoff makes one call instead of max_num_seqs / chunk_pages
+        (each a program launch and an index upload; that phase took 2-8 ms on 2 H200s with several
+        calls, one call is not yet measured there), capped so its in-flight buffer (N x K pages, all
+        layers) stays under `budget_bytes`."""
         engine = self.engine
         cap = budget_bytes // max(1, engine.n * engine.page_bytes)
         return max(self.chunk_pages, min(engine.config.max_num_seqs, cap))
@@ -267,11 +269,10 @@ class SwitchController:
         """(source device, destination device) of each copy of a request's plan, located once
         (per step, locating page by page cost ~2 ms of host time per step for 64 requests)."""
         pairs = self._pairs.get(rid)
-        if pairs is None or len(pairs) != len(copies):
+        if pairs is None or len(pairs) != len(copies):  # new, or extended at handoff
             locate = self.engine.allocator.locate
-            src = locate([c[0] for c in copies])[0] if copies else []
-            dst = locate([c[1] for c in copies])[0] if copies else []
-            pairs = self._pairs[rid] = list(zip(np.asarray(src).tolist(), np.asarray(dst).tolist()))
+            src, dst = locate([c[0] for c in copies])[0], locate([c[1] for c in copies])[0]
+            pairs = self._pairs[rid] = list(zip(src.tolist(), dst.tolist()))
         return pairs
 
     def _take(self, plan: TransitionPlan) -> list[tuple[int, int]]:
@@ -302,7 +303,7 @@ class SwitchController:
         engine = self.engine
         ex = engine.executor
         mover = self.movers[ex.kv_abstract(ex.layout).num_segments]
-        for chunk in pack_chunks([c for _, c in pending], engine.allocator, self.handoff_chunk_pages()):
+        for chunk in pack_chunks([c for _, c in pending], engine.allocator, self.handoff_chunk_pages):
             ex.apply_to_pool(lambda kv, chunk=chunk: mover(kv, chunk))
         for rid, _ in pending:
             self._cursor[rid] += 1
