@@ -100,7 +100,7 @@ def prefill_line(engine, layout: str, cfg: CalibrateConfig) -> list[float]:
     slope = (times[1] - times[0]) / (sizes[1] - sizes[0])
     intercept = times[0] - slope * sizes[0]
     prefix = (cfg.prefill_prefix // budget) * budget
-    if prefix <= 0 or prefix + budget > (engine.config.max_model_len or 0):
+    if prefix <= 0 or prefix + budget > engine.max_model_len:  # the engine's limit (the config's may be None: derived)
         return [intercept, slope, 0.0]
     deep = prefill_step(engine, prefix, budget, cfg)
     extra_keys = attended_keys(prefix, budget) - attended_keys(0, budget)

@@ -71,6 +71,7 @@ class SimConfig:
 class _EngineLimits:
     page_size: int
     max_num_seqs: int
+    max_num_batched_tokens: int
 
 
 class SimEngine:
@@ -79,7 +80,7 @@ class SimEngine:
     def __init__(self, c: SimConfig, n: int, layout: str):
         self.n = n
         self.layout = get_layout(layout)
-        self.config = _EngineLimits(c.page_size, c.max_num_seqs)
+        self.config = _EngineLimits(c.page_size, c.max_num_seqs, c.max_num_batched_tokens)
         self.extra_pages = c.extra_pages_per_device
         extra = self.extra_pages if self.layout.heads_sharded else 0
         self.allocator = PageAllocator(n, c.pages_per_device, c.page_size, extra)
@@ -129,7 +130,7 @@ def simulate(arrivals: list[W.Arrival], mode: str, c: SimConfig, table_: StepTab
         if not s.has_work():
             clock = arrivals[nxt].t
             continue
-        if policy is not None and step % policy_config.interval_steps == 0:
+        if policy is not None and policy.due(step):
             dst = policy.decide(step)
             if dst is not None:
                 load_tokens = sum(r.num_tokens for r in s.running)

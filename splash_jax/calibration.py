@@ -130,6 +130,17 @@ class StepTable:
         decode = self.seconds(name, decoding, context)[0] if decoding else a
         return decode + b * prefill_tokens + per_key * max(0.0, prefill_keys - first_chunk_keys(prefill_tokens))
 
+    def prefill_seconds(self, name: str, prompts, budget: int) -> float:
+        """Prefill steps computing prompts [(tokens done, tokens left), ...] at `budget` tokens per
+        step: the measured intercept per step, slope per token, and per attended key beyond what a
+        first chunk attends to (each prompt's chunks start deeper in it)."""
+        a, b, *rest = (x * self.scale for x in self.cal.prefill_s[name])
+        per_key, budget = (rest[0] if rest else 0.0), max(budget, 1)
+        tokens = sum(left for _, left in prompts)
+        deeper = sum(min(budget, done + left - start) * start  # attended_keys(start, n) - first_chunk_keys(n)
+                     for done, left in prompts for start in range(done, done + left, budget))
+        return math.ceil(tokens / budget) * a + b * tokens + per_key * deeper
+
     def _grid(self, name: str, requests: float, context: float) -> float | None:
         rs, cs, table = self.cal.requests, self.cal.contexts, self.cal.step_s[name]
         i, wi = _bracket([math.log2(r) for r in rs], math.log2(requests))

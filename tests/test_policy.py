@@ -166,10 +166,10 @@ def test_switch_only_when_the_horizon_repays_the_measured_switch_cost():
     # TP saves 2 ms per step over DP; the measured switch costs 1 s.
     cal = synthetic(FAST | {"tp": 0.018}, switch_fixed=1.0)
     eng = sim("dp", 4, 100)
-    short = TransitionAwarePolicy(eng, PolicyConfig(horizon_steps=256, cooldown_steps=0), cal)
+    short = TransitionAwarePolicy(eng, PolicyConfig(horizon_steps=256, cooldown_steps=0, min_step_gain=0), cal)
     assert short.decide(0) is None  # 0.5 s saved < 1.2 s
     assert "does not repay" in short.recent[-1]["reason"]
-    long = TransitionAwarePolicy(eng, PolicyConfig(horizon_steps=1024, cooldown_steps=0), cal)
+    long = TransitionAwarePolicy(eng, PolicyConfig(horizon_steps=1024, cooldown_steps=0, min_step_gain=0), cal)
     assert long.decide(0) == "tp"  # 2.05 s saved > 1.2 s
     # The fixed part plus the cache it copies (7 new replicas of 4 x 100 tokens) at the measured rate.
     assert long.decisions[-1]["switch_s"] == pytest.approx(1.0 + 400 * 7 * 6912 / 1e9)
@@ -220,3 +220,48 @@ def test_calibration_file_round_trip_and_engine_loading(engine, tmp_path):
     model = CostModel(engine, PolicyConfig(calibration=str(path)))
     assert model.kind.startswith("calibrated")
     assert model.step_seconds(LAYOUTS["cp"], Load(4, 400, 100)) < model.step_seconds(LAYOUTS["tp"], Load(4, 400, 100))
+
+
+def test_gains_inside_the_cost_models_error_are_not_taken():
+    # TP is 6.8% cheaper per token than DP (a free switch): under the default 10% it stays.
+    cal = synthetic(FAST | {"tp": 0.018}, switch_fixed=0.0)
+    eng = sim("dp", 4, 100)
+    policy = TransitionAwarePolicy(eng, PolicyConfig(cooldown_steps=0), cal)
+    assert policy.decide(0) is None and "under 10%" in policy.recent[-1]["reason"]
+    assert TransitionAwarePolicy(eng, PolicyConfig(cooldown_steps=0, min_step_gain=0.05), cal).decide(0) == "tp"
+
+
+def test_a_queue_of_prompts_favours_the_layout_that_prefills_faster():
+    # Equal decode steps everywhere; CP computes prompt tokens at a quarter of the others' cost.
+    cal = synthetic(FAST)
+    cal.prefill_s = {lay: [0.01, 4e-3] for lay in LAYOUTS} | {"cp": [0.01, 1e-3]}
+    eng = sim("dp", 2, 40, waiting=4, wait_len=300)
+    policy = TransitionAwarePolicy(eng, PolicyConfig(cooldown_steps=0), cal)
+    load = Load.of(eng)
+    assert sum(t for _, t in load.prompts) == 4 * 300  # waiting prompts; the running two are decoding
+    est = policy.estimates(load)
+    assert est["cp"].prefill_s == pytest.approx(19 * 0.01 + 1200 * 1e-3)  # 1200 tokens in steps of 64
+    assert est["cp"].prefill_s < est["dp"].prefill_s
+    assert policy.decide(0) == "cp"
+    # Without the queue the same table gives no reason to move.
+    assert TransitionAwarePolicy(sim("dp", 2, 40), PolicyConfig(cooldown_steps=0), cal).decide(0) is None
+
+
+def test_the_policy_looks_again_when_requests_arrive():
+    eng = sim("dp", 2, 40)
+    policy = TransitionAwarePolicy(eng, PolicyConfig(interval_steps=16), synthetic(FAST))
+    assert policy.due(3)  # first look
+    assert not policy.due(4) and not policy.due(5)
+    eng.scheduler.add(Request("new", [2] * 30, SamplingParams(max_tokens=4)))
+    assert policy.due(6) and not policy.due(7)
+    assert policy.due(16)  # the interval still applies
+    quiet = TransitionAwarePolicy(eng, PolicyConfig(interval_steps=16, evaluate_on_arrival=False), synthetic(FAST))
+    eng.scheduler.add(Request("new2", [2] * 30, SamplingParams(max_tokens=4)))
+    assert not quiet.due(6) and quiet.due(32)
+
+
+def test_a_switch_fitted_below_zero_still_costs_nothing_less_than_zero():
+    cal = synthetic(FAST, switch_fixed=-0.5)
+    eng = sim("dp", 4, 100)
+    cost = CostModel(eng, PolicyConfig(), cal).switch_seconds(LAYOUTS["dp"], LAYOUTS["tp"], Load.of(eng))
+    assert cost == pytest.approx(400 * 7 * 6912 / 1e9)  # only the copy, at the measured rate

@@ -296,7 +296,7 @@ class Engine:
         outputs = []
         if self.switcher is not None:
             self.switcher.before_step()  # batch boundary: a finished migration hands off here
-            if self.policy and self.switcher.active is None and self.num_steps % self.config.policy.interval_steps == 0:
+            if self.policy and self.switcher.active is None and self.policy.due(self.num_steps):
                 dst = self.policy.decide(self.num_steps)
                 if dst is not None:
                     handle = self.switcher.start(dst)

@@ -91,11 +91,13 @@ class Scheduler:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._order = itertools.count()
         self.num_preemptions = 0
+        self.num_added = 0  # requests ever added (the policy looks again after arrivals)
 
     # --- queue management -----------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
         self.waiting.append(request)
+        self.num_added += 1
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stopped, aborted, failed): free its pages and slot."""
