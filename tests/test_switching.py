@@ -324,3 +324,25 @@ def test_running_every_program_once_leaves_outputs_and_history_unchanged(engine,
     done, _ = run(engine, None)
     for i in range(len(PROMPTS)):
         assert done[i].token_ids == fixed_outputs[i].token_ids, (i, PROMPTS[i])
+
+
+def test_owners_chosen_for_an_owner_layout_fit_each_device():
+    """From striped pages every request's first stripe device holds the most of its pages; choosing
+    by reuse alone put all of them on device 0 (the CPU pressure run's refused cp -> dp switch).
+    The choice now fills a device only while its pages fit, then moves on."""
+    from collections import Counter
+
+    from splash_jax.engine.request import Request
+    from splash_jax.switch.planner import choose_owner
+
+    load, owners = Counter(), []
+    for i in range(7):
+        r = Request(str(i), [2] * 190, SamplingParams(max_tokens=4))  # 12 pages of 16 with the next token
+        r.device_pages = [[100, 101]] + [[102 + d] for d in range(7)]
+        owners.append(choose_owner(r, get_layout("cp"), get_layout("dp"), N, load, 16, 36))
+        load[owners[-1]] += 12
+    assert owners == [0, 0, 0, 1, 2, 3, 4]  # device 0 (most reuse) while 36 pages last, then the least loaded
+    assert max(load.values()) <= 36
+    r = Request("x", [2] * 190, SamplingParams(max_tokens=4))
+    r.owner = 5
+    assert choose_owner(r, get_layout("dp"), get_layout("dop"), N, load, 16, 36) == 5  # owner layouts keep it

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -182,6 +183,9 @@ class Engine:
         self.num_step_failures = 0
         if config.resolved_warmup_runs(backend):  # every process runs it itself, before mirroring starts
             self.run_every_program_once()
+        if config.resolved_gc_freeze(backend):
+            gc.collect()
+            gc.freeze()  # per process: what start-up built is never scanned again
         distributed.attach(self)  # multi-process: process 0 streams its device calls to the others
 
     # --- requests ------------------------------------------------------------------------

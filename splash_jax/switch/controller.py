@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from splash_jax.kv.allocator import OutOfPages
+from splash_jax.kv.allocator import OutOfPages, pages_for_tokens
 from splash_jax.mesh.layouts import POOL_SPEC, Layout, get_layout
 from splash_jax.switch.migration import PageChunk, PageMover, WeightResharder, chunk_buffer, drop_extra_segment, pack_chunks
 from splash_jax.switch.planner import (
@@ -157,12 +157,12 @@ class SwitchController:
             handle.state, handle.finished = SwitchState.DONE, time.perf_counter()
             return handle
         sched = engine.scheduler
-        load: Counter = Counter()
+        dst_pages = engine.allocator.pages_per_device + (engine.extra_pages if dst.heads_sharded else 0)
+        load: Counter = Counter()  # pages given to each device so far
         owners = {}
         for r in sorted(sched.running, key=lambda r: r.order):
-            owners[r.request_id] = choose_owner(r, src, dst, engine.n, load)
-            load[owners[r.request_id]] += 1
-        dst_pages = engine.allocator.pages_per_device + (engine.extra_pages if dst.heads_sharded else 0)
+            owners[r.request_id] = choose_owner(r, src, dst, engine.n, load, engine.config.page_size, dst_pages)
+            load[owners[r.request_id]] += pages_for_tokens(r.num_tokens + 1, engine.config.page_size)
         reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners)
         while reason and preempt and sched.running:
             victim = max(sched.running, key=lambda r: r.order)
@@ -341,7 +341,11 @@ class SwitchController:
         if deletes:
             jax.block_until_ready((engine.executor.pool, engine.executor.params))
         phase("wait_for_device")
-        load = Counter(p.owner for p in plan.requests.values())
+        page_size = engine.config.page_size
+        dst_pages = engine.allocator.pages_per_device + (engine.extra_pages if dst.heads_sharded else 0)
+        load: Counter = Counter()  # pages per owner, as in start()
+        for p in plan.requests.values():
+            load[p.owner] += pages_for_tokens(p.request.num_tokens + 1, page_size)
         # 1. Extend plans to every page holding data (and plan requests admitted meanwhile).
         for r in sorted(sched.running, key=lambda r: r.order):
             if r not in sched.running:
@@ -349,13 +353,14 @@ class SwitchController:
             while True:
                 try:
                     existing = plan.requests.get(r.request_id)
-                    owner = existing.owner if existing else choose_owner(r, src, dst, engine.n, load)
+                    owner = existing.owner if existing else choose_owner(r, src, dst, engine.n, load, page_size, dst_pages)
                     plan.requests[r.request_id] = plan_request(
                         r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owner,
                         upto_tokens=r.num_computed, existing=existing,
                     )
                     self._cursor.setdefault(r.request_id, 0)
-                    load[owner] += 1
+                    if existing is None:
+                        load[owner] += pages_for_tokens(r.num_tokens + 1, page_size)
                     break
                 except (OutOfPages, SwitchRefused):
                     # No room to finish the plan: recompute the newest request later (nothing is lost).

@@ -149,14 +149,20 @@ def finalize_frees(plan: RequestPlan) -> None:
     plan.to_free = [p for pages in plan.request.device_pages for p in pages if p not in keep]
 
 
-def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Counter) -> int:
-    """Keep the owner between owner layouts; otherwise the device holding most of its pages, then least loaded."""
+def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Counter, page_size: int = 1,
+                 pages_per_device: int | None = None) -> int:
+    """Keep the owner between owner layouts. Otherwise, among the devices with room for the
+    request's pages (`load`: pages already given to each device; `pages_per_device`: the
+    destination's), the one holding most of its pages (fewest to copy), then the least loaded.
+    Without a device that has room, the least loaded (the capacity check then refuses)."""
     if src.keeps_owner:
         return request.owner
+    need = pages_for_tokens(request.num_tokens + 1, page_size)
     counts = [len(p) for p in request.device_pages] if request.device_pages else [0] * n
-    best = max(counts)
-    candidates = [d for d in range(n) if counts[d] == best]
-    return min(candidates, key=lambda d: (load[d], d))
+    room = [d for d in range(n) if pages_per_device is None or load[d] + need <= pages_per_device]
+    if not room:
+        return min(range(n), key=lambda d: (load[d], d))
+    return min(room, key=lambda d: (-counts[d], load[d], d))
 
 
 def capacity_check(requests: list[Request], dst: Layout, allocator: PageAllocator, dst_pages_per_device: int, page_size: int, owners: dict[str, int]) -> str | None:
