@@ -346,3 +346,23 @@ def test_owners_chosen_for_an_owner_layout_fit_each_device():
     r = Request("x", [2] * 190, SamplingParams(max_tokens=4))
     r.owner = 5
     assert choose_owner(r, get_layout("dp"), get_layout("dop"), N, load, 16, 36) == 5  # owner layouts keep it
+
+
+def test_pages_freed_at_handoff_are_the_sources_the_destination_does_not_keep():
+    """The handoff frees every request's pages at once; the definition, request by request: the
+    source pages not among its destination pages."""
+    import types
+
+    from splash_jax.switch.planner import pages_to_free
+
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(400)
+    plans, want, k = [], [], 0
+    for _ in range(12):
+        src = [ids[k:k + 5].tolist(), ids[k + 5:k + 9].tolist()]
+        kept = [p for p in src[0] + src[1] if rng.random() < 0.5]
+        dst = [kept[::2], kept[1::2] + ids[k + 9:k + 11].tolist()]  # reused pages plus new ones
+        k += 11
+        plans.append(types.SimpleNamespace(request=types.SimpleNamespace(device_pages=src), dst_pages=dst))
+        want += [p for p in src[0] + src[1] if p not in set(dst[0] + dst[1])]
+    assert sorted(pages_to_free(plans, 400).tolist()) == sorted(want)

@@ -104,12 +104,19 @@ class PageAllocator:
             raise OutOfPages(f"device {device} has no free base page")
         return self._free[device].pop()
 
-    def free(self, pages: list[int]) -> None:
-        if not pages:
+    def free(self, pages) -> None:
+        """Return pages to their devices' free lists (last page first, so the next allocation
+        takes them back in their original order); one list extend per (device, segment)."""
+        if len(pages) == 0:
             return
-        device, segment, _ = self.locate(pages)
-        for p, d, s in zip(reversed(pages), device[::-1], segment[::-1]):
-            (self._free_extra if s else self._free)[d].append(p)
+        rev = np.asarray(pages, np.int64)[::-1]
+        device, segment, _ = self.locate(rev)
+        if self.num_devices == 1 and not segment.any():
+            self._free[0].extend(rev.tolist())
+            return
+        group = device * 2 + segment
+        for g in np.unique(group).tolist():
+            (self._free_extra if g % 2 else self._free)[g // 2].extend(rev[group == g].tolist())
 
     def usage(self) -> list[DeviceUsage]:
         total = self.pages_per_device + self.extra_per_device

@@ -98,7 +98,7 @@ class PageTables:
             first = np.r_[True, g[1:] != g[:-1]]
             start = np.maximum.accumulate(np.where(first, np.arange(total), 0))
             self.compact[d, segs[order], slot_of[order], np.arange(total) - start] = locals_[order]
-            np.add.at(self.count[d], (segs, slot_of), 1)
+            self.count[d] += np.bincount(group, minlength=SEGMENTS * self.num_slots).reshape(SEGMENTS, self.num_slots).astype(np.int32)
             self.entries[d, sl] = lens
             held = (self.local_of[d][:, sl] >= 0).astype(np.int32)  # [segments, slots, M]
             self.before[d][:, sl] = np.cumsum(held, axis=-1) - held

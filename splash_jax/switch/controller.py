@@ -34,7 +34,7 @@ from splash_jax.switch.planner import (
     TransitionPlan,
     capacity_check,
     choose_owner,
-    finalize_frees,
+    pages_to_free,
     plan_request,
     plan_weights,
 )
@@ -376,9 +376,10 @@ class SwitchController:
         phase("copy_last_pages")
         # 2. Page tables and owners change; pages the destination does not keep are freed.
         sched.set_placement(dst.kv_placement)
-        for p in plan.requests.values():
-            finalize_frees(p)
-            engine.allocator.free(p.to_free)
+        alloc = engine.allocator
+        to_free = pages_to_free(plan.requests.values(), alloc.num_base_pages + alloc.num_devices * alloc.extra_per_device)
+        plan.pages_freed = len(to_free)
+        engine.allocator.free(to_free)
         ex = engine.executor
         phase("free_pages")
         # 3. Pool segment and weights, in the order that never needs both memories at once.

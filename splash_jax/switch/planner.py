@@ -18,6 +18,7 @@ Worked examples (N devices):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -38,7 +39,6 @@ class RequestPlan:
     dst_pages: list[list[int]]  # per device, global ids in position order (reused or reserved)
     copies: list[tuple[int, int]]  # (source page, reserved destination page)
     reserved: list[int]  # destination pages allocated for this plan (freed on cancel)
-    to_free: list[int]  # source pages dropped at handoff
     planned_pages: int  # pages of the request covered by this plan
 
 
@@ -57,6 +57,7 @@ class TransitionPlan:
     weights: list[WeightMove]
     extra_segment: str  # "add" | "remove" | "keep"
     page_bytes: int
+    pages_freed: int = 0  # source pages the destination did not keep (known at handoff)
 
     @property
     def copies(self) -> list[tuple[int, int]]:
@@ -75,7 +76,7 @@ class TransitionPlan:
         return {
             "src": self.src.name, "dst": self.dst.name,
             "pages_copied": len(self.copies), "pages_reused": reused,
-            "pages_freed": sum(len(p.to_free) for p in self.requests.values()),
+            "pages_freed": self.pages_freed,
             "cache_bytes": self.cache_bytes, "weight_bytes_gathered": self.weight_bytes,
             "weight_leaves": {k: sum(1 for w in self.weights if w.kind == k) for k in ("slice", "gather")},
             "extra_segment": self.extra_segment,
@@ -115,7 +116,7 @@ def plan_request(
     """Reserve destination pages for `request`'s pages (up to `upto_tokens`), extending `existing`."""
     n = allocator.num_devices
     num_pages = pages_for_tokens(upto_tokens if upto_tokens is not None else request.num_computed, allocator.page_size)
-    plan = existing or RequestPlan(request, owner, [[] for _ in range(n)], [], [], [], 0)
+    plan = existing or RequestPlan(request, owner, [[] for _ in range(n)], [], [], 0)
     holders = page_holders(src, n, request.device_pages, from_index=plan.planned_pages)
     # All or nothing: a failed extension (no free page) leaves `existing` exactly as it was.
     lengths = [len(x) for x in plan.dst_pages], len(plan.reserved), len(plan.copies)
@@ -143,10 +144,15 @@ def plan_request(
     return plan
 
 
-def finalize_frees(plan: RequestPlan) -> None:
-    """Source pages the destination does not keep (computed at handoff, when pages are final)."""
-    keep = {p for pages in plan.dst_pages for p in pages}
-    plan.to_free = [p for pages in plan.request.device_pages for p in pages if p not in keep]
+def pages_to_free(plans, num_pages: int) -> np.ndarray:
+    """Source pages the destination does not keep, over every request of a handoff at once
+    (computed when pages are final; a page belongs to one request, so one mark array over the
+    pool's `num_pages` global ids covers all)."""
+    src = np.array(list(itertools.chain.from_iterable(p for plan in plans for p in plan.request.device_pages)), np.int64)
+    dst = np.array(list(itertools.chain.from_iterable(p for plan in plans for p in plan.dst_pages)), np.int64)
+    keep = np.zeros(num_pages, bool)
+    keep[dst] = True
+    return src[~keep[src]]
 
 
 def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Counter, page_size: int = 1,
