@@ -107,12 +107,17 @@ def main(argv=None):
         reqs = inject_decoding(engine, args.batch, args.context, tag=f"{src}{dst}")
         for _ in range(3):
             engine.step()  # settle
-        base_src = float(np.median([timed_step(engine) for _ in range(args.baseline_steps)]))
+        base_src, base_phases = [], []
+        for _ in range(args.baseline_steps):
+            base_src.append(timed_step(engine))
+            base_phases.append(engine.last_step_ms)
+        base_src = float(np.median(base_src))
         t0 = time.perf_counter()
         handle = engine.switch_layout(dst)
         during = []
         while not handle.done:
             during.append(timed_step(engine))
+        handoff_phases = engine.last_step_ms  # the step whose before_step handed off
         wall = time.perf_counter() - t0
         base_dst = float(np.median([timed_step(engine) for _ in range(args.baseline_steps)]))
         migration, handoff_step = during[:-1], during[-1] if during else None
@@ -132,6 +137,10 @@ def main(argv=None):
             "copy_GBps": info["bytes_moved"] / copy_s / 1e9 if copy_s and info["bytes_moved"] else None,
             "copy_of_link": info["bytes_moved"] / copy_s / link if copy_s and link and info["bytes_moved"] else None,
             "handoff_phases_ms": info["handoff_phases_ms"], "handoff_step_ms": handoff_step * 1e3 if handoff_step else None,
+            # where the handoff step's wall time went (engine.last_step_ms) against the source's
+            # steps (median per phase): the switch phase holds the handoff; wait is device time
+            "handoff_step_phases_ms": handoff_phases,
+            "base_step_phases_ms": {k: float(np.median([p[k] for p in base_phases])) for k in base_phases[0]},
         })
         log.info("%s", rows[-1])
         clear(engine, reqs)

@@ -181,6 +181,11 @@ class Engine:
         self._failed: list[RequestOutput] = []
         self.num_steps = 0
         self.num_step_failures = 0
+        # Host time of the last step() by phase, ms (switch: handoff/migration and policy;
+        # wait: blocked on the device for the completed step's tokens). Cheap enough to keep
+        # always; benchmarks/switching.py reports it for handoff steps.
+        self.last_step_ms: dict[str, float] = {}
+        self._last_wait_s = 0.0
         if config.resolved_warmup_runs(backend):  # every process runs it itself, before mirroring starts
             self.run_every_program_once()
         if config.resolved_gc_freeze(backend):
@@ -296,7 +301,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch one step; return the outputs of the step that completed."""
-        cpu0 = time.thread_time()
+        cpu0, t0 = time.thread_time(), time.perf_counter()
         outputs = []
         if self.switcher is not None:
             self.switcher.before_step()  # batch boundary: a finished migration hands off here
@@ -306,17 +311,24 @@ class Engine:
                     handle = self.switcher.start(dst)
                     if handle.state.value == "refused":
                         self.policy.switch_refused(handle.reason)
+        t1 = time.perf_counter()
         chunks = self.scheduler.schedule().chunks
+        t2 = time.perf_counter()
         dispatched = self._dispatch(chunks) if chunks else None
+        t3 = time.perf_counter()
         if self.config.overlap_scheduling:
             done, self._inflight = self._inflight, dispatched
         else:
             done = dispatched
         back_to_back, self._completed_last_call = self._completed_last_call, done is not None
+        self._last_wait_s = 0.0
         if done is not None:
             outputs += self._complete(done, back_to_back)
         if self.switcher is not None:
             self.switcher.after_step()
+        t4 = time.perf_counter()
+        self.last_step_ms = {"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
+                             "wait": self._last_wait_s * 1e3, "complete": (t4 - t3 - self._last_wait_s) * 1e3}
         self.timeline.host_time(time.thread_time() - cpu0)
         return outputs + self._failed_now()
 
@@ -384,7 +396,9 @@ class Engine:
         """Read back a dispatched step and apply its tokens (stops, finishes, output deltas).
         back_to_back: the previous step() completed a step too (its interval is a cadence)."""
         try:
+            t = time.perf_counter()
             tokens = np.asarray(step.result.tokens)
+            self._last_wait_s = time.perf_counter() - t
             r = step.result
             logprobs = jax.device_get((r.logprob, r.top_ids, r.top_logprobs)) if step.want_logprobs else None
         except Exception as e:  # noqa: BLE001 - the step failed on the device
