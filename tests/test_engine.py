@@ -302,12 +302,14 @@ def test_start_up_objects_are_frozen_out_of_the_garbage_collector(model):
     import gc
 
     before = gc.get_freeze_count()
-    make_engine(model, warmup=False)  # auto: off on CPU
-    assert gc.get_freeze_count() == before
-    make_engine(model, warmup=False, gc_freeze="on")
-    frozen = gc.get_freeze_count() - before
-    assert frozen > 0 and gc.get_count()[0] < 700  # a fresh young generation: everything older is frozen
-    gc.unfreeze()  # leave the test process as it was
+    try:
+        make_engine(model, warmup=False)  # auto: off on CPU
+        assert gc.get_freeze_count() == before
+        make_engine(model, warmup=False, gc_freeze="on")
+        frozen = gc.get_freeze_count() - before
+        assert frozen > 0 and gc.get_count()[0] < 700  # a fresh young generation: everything older is frozen
+    finally:
+        gc.unfreeze()  # leave the test process as it was
 
 
 def test_last_step_phases_partition_the_step(engine):

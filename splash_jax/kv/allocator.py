@@ -111,9 +111,6 @@ class PageAllocator:
             return
         rev = np.asarray(pages, np.int64)[::-1]
         device, segment, _ = self.locate(rev)
-        if self.num_devices == 1 and not segment.any():
-            self._free[0].extend(rev.tolist())
-            return
         group = device * 2 + segment
         for g in np.unique(group).tolist():
             (self._free_extra if g % 2 else self._free)[g // 2].extend(rev[group == g].tolist())

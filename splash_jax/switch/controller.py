@@ -157,12 +157,12 @@ class SwitchController:
             handle.state, handle.finished = SwitchState.DONE, time.perf_counter()
             return handle
         sched = engine.scheduler
-        dst_pages = engine.allocator.pages_per_device + (engine.extra_pages if dst.heads_sharded else 0)
+        dst_pages = self._pages_per_device(dst)
         load: Counter = Counter()  # pages given to each device so far
         owners = {}
         for r in sorted(sched.running, key=lambda r: r.order):
             owners[r.request_id] = choose_owner(r, src, dst, engine.n, load, engine.config.page_size, dst_pages)
-            load[owners[r.request_id]] += pages_for_tokens(r.num_tokens + 1, engine.config.page_size)
+            load[owners[r.request_id]] += self._pages_of(r)
         reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners)
         while reason and preempt and sched.running:
             victim = max(sched.running, key=lambda r: r.order)
@@ -194,6 +194,14 @@ class SwitchController:
         self.active = (handle, plan)
         log.info("switch %s -> %s started: %s", src.name, dst.name, handle.plan)
         return handle
+
+    def _pages_per_device(self, dst: Layout) -> int:
+        """Pages each device holds under `dst` (its base segment, plus the extra one if head-sharded)."""
+        return self.engine.allocator.pages_per_device + (self.engine.extra_pages if dst.heads_sharded else 0)
+
+    def _pages_of(self, request) -> int:
+        """Pages a request needs, counting the token its next step writes (as capacity_check does)."""
+        return pages_for_tokens(request.num_tokens + 1, self.engine.config.page_size)
 
     def _handoff_chunk_pages(self, budget_bytes: int = 256 * 2**20) -> int:
         """Pages per device pair in one call of the handoff's mover: room for one partial last page
@@ -341,11 +349,10 @@ class SwitchController:
         if deletes:
             jax.block_until_ready((engine.executor.pool, engine.executor.params))
         phase("wait_for_device")
-        page_size = engine.config.page_size
-        dst_pages = engine.allocator.pages_per_device + (engine.extra_pages if dst.heads_sharded else 0)
+        dst_pages = self._pages_per_device(dst)
         load: Counter = Counter()  # pages per owner, as in start()
         for p in plan.requests.values():
-            load[p.owner] += pages_for_tokens(p.request.num_tokens + 1, page_size)
+            load[p.owner] += self._pages_of(p.request)
         # 1. Extend plans to every page holding data (and plan requests admitted meanwhile).
         for r in sorted(sched.running, key=lambda r: r.order):
             if r not in sched.running:
@@ -353,14 +360,14 @@ class SwitchController:
             while True:
                 try:
                     existing = plan.requests.get(r.request_id)
-                    owner = existing.owner if existing else choose_owner(r, src, dst, engine.n, load, page_size, dst_pages)
+                    owner = existing.owner if existing else choose_owner(r, src, dst, engine.n, load, engine.config.page_size, dst_pages)
                     plan.requests[r.request_id] = plan_request(
                         r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owner,
                         upto_tokens=r.num_computed, existing=existing,
                     )
                     self._cursor.setdefault(r.request_id, 0)
                     if existing is None:
-                        load[owner] += pages_for_tokens(r.num_tokens + 1, page_size)
+                        load[owner] += self._pages_of(r)
                     break
                 except (OutOfPages, SwitchRefused):
                     # No room to finish the plan: recompute the newest request later (nothing is lost).
@@ -376,8 +383,7 @@ class SwitchController:
         phase("copy_last_pages")
         # 2. Page tables and owners change; pages the destination does not keep are freed.
         sched.set_placement(dst.kv_placement)
-        alloc = engine.allocator
-        to_free = pages_to_free(plan.requests.values(), alloc.num_base_pages + alloc.num_devices * alloc.extra_per_device)
+        to_free = pages_to_free(plan.requests.values(), engine.allocator.num_pages)
         plan.pages_freed = len(to_free)
         engine.allocator.free(to_free)
         ex = engine.executor

@@ -155,8 +155,8 @@ def pages_to_free(plans, num_pages: int) -> np.ndarray:
     return src[~keep[src]]
 
 
-def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Counter, page_size: int = 1,
-                 pages_per_device: int | None = None) -> int:
+def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Counter, page_size: int,
+                 pages_per_device: int) -> int:
     """Keep the owner between owner layouts. Otherwise, among the devices with room for the
     request's pages (`load`: pages already given to each device; `pages_per_device`: the
     destination's), the one holding most of its pages (fewest to copy), then the least loaded.
@@ -165,7 +165,7 @@ def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Count
         return request.owner
     need = pages_for_tokens(request.num_tokens + 1, page_size)
     counts = [len(p) for p in request.device_pages] if request.device_pages else [0] * n
-    room = [d for d in range(n) if pages_per_device is None or load[d] + need <= pages_per_device]
+    room = [d for d in range(n) if load[d] + need <= pages_per_device]
     if not room:
         return min(range(n), key=lambda d: (load[d], d))
     return min(room, key=lambda d: (-counts[d], load[d], d))
