@@ -181,8 +181,8 @@ class Engine:
         self._failed: list[RequestOutput] = []
         self.num_steps = 0
         self.num_step_failures = 0
-        # Host time of the last step() by phase, ms (switch: handoff/migration and policy;
-        # wait: blocked on the device for the completed step's tokens). Cheap enough to keep
+        # Host time of the last step() by phase, ms (switch: policy and cancels; handoff: a
+        # switch's batch-boundary handoff; wait: blocked on the device for the completed step's tokens). Cheap enough to keep
         # always; benchmarks/switching.py reports it for handoff steps.
         self.last_step_ms: dict[str, float] = {}
         self._last_wait_s = 0.0
@@ -304,7 +304,7 @@ class Engine:
         cpu0, t0 = time.thread_time(), time.perf_counter()
         outputs = []
         if self.switcher is not None:
-            self.switcher.before_step()  # batch boundary: a finished migration hands off here
+            self.switcher.before_step()  # drop finished requests' reservations; cancel
             if self.policy and self.switcher.active is None and self.policy.due(self.num_steps):
                 dst = self.policy.decide(self.num_steps)
                 if dst is not None:
@@ -316,6 +316,12 @@ class Engine:
         t2 = time.perf_counter()
         dispatched = self._dispatch(chunks) if chunks else None
         t3 = time.perf_counter()
+        if self.switcher is not None:
+            # Batch boundary: a finished migration hands off here, after this step (still in the
+            # source layout) is queued, so its host work runs while the device computes; the
+            # next step is the destination's first.
+            self.switcher.hand_off_if_ready()
+        t3h = time.perf_counter()
         if self.config.overlap_scheduling:
             done, self._inflight = self._inflight, dispatched
         else:
@@ -324,11 +330,10 @@ class Engine:
         self._last_wait_s = 0.0
         if done is not None:
             outputs += self._complete(done, back_to_back)
-        if self.switcher is not None:
-            self.switcher.after_step()
         t4 = time.perf_counter()
         self.last_step_ms = {"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
-                             "wait": self._last_wait_s * 1e3, "complete": (t4 - t3 - self._last_wait_s) * 1e3}
+                             "handoff": (t3h - t3) * 1e3, "wait": self._last_wait_s * 1e3,
+                             "complete": (t4 - t3h - self._last_wait_s) * 1e3}
         self.timeline.host_time(time.thread_time() - cpu0)
         return outputs + self._failed_now()
 

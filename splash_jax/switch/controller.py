@@ -6,10 +6,12 @@ Phases of a switch (engine.step() drives them; nothing here blocks the caller):
              forward pass), so the moves cost no separate program the next step waits on.
              Only full pages are copied here: decode writes only at or after a request's last
              position, so a full page never changes again.
-  handoff  : at the next batch boundary once the background copies are done: plans extend to
+  handoff  : at the batch boundary after the background copies are done, right after the next
+             step is dispatched (it still runs the source layout, so the handoff's host work
+             overlaps its device time instead of leaving the device idle): plans extend to
              every page holding data (the partial last pages, requests admitted meanwhile), those
-             few copies run, then page tables, owners, the pool's extra segment, the weights
-             and the step executable change together.
+             few copies run (queued after that step), then page tables, owners, the pool's extra
+             segment, the weights and the step executable change together.
 A request that finishes or is preempted during the window drops its plan (its reserved pages
 are freed). `cancel()` before handoff frees every reservation: the source layout is untouched.
 """
@@ -228,7 +230,7 @@ class SwitchController:
 
     # --- driven by engine.step() -----------------------------------------------------------------
     def before_step(self) -> None:
-        """At the batch boundary: cancel, or hand off once the background copies are done."""
+        """Before scheduling: give back the reservations of requests gone since, or cancel."""
         if self.active is None:
             return
         handle, plan = self.active
@@ -236,12 +238,17 @@ class SwitchController:
         if handle._cancel:
             self._release(plan)
             self._finish(handle, SwitchState.CANCELLED)
-            return
-        if not self._has_pending(plan):
-            self._handoff(handle, plan)
 
-    def after_step(self) -> None:
-        """Nothing to do between steps any more: the copies ride inside the steps."""
+    def hand_off_if_ready(self) -> None:
+        """After a step is dispatched (the batch boundary): hand off once the background copies
+        are done. The step just queued runs in the source layout while this host work runs."""
+        if self.active is None:
+            return
+        handle, plan = self.active
+        if handle._cancel or self._has_pending(plan):
+            return
+        self._drop_stale(plan)  # scheduling may have preempted some since before_step
+        self._handoff(handle, plan)
 
     def step_moves(self):
         """The page copies the next step carries ([N, 4*N*K] index buffer), or None."""
@@ -341,12 +348,11 @@ class SwitchController:
             handle.handoff_phases_ms[name] = (now - last[0]) * 1e3
             last[0] = now
 
-        # With overlapped scheduling a step may still be running on the device. A handoff that
-        # deletes buffers it uses (resharded weight leaves, the extra segment) waits for it first;
-        # one that only changes metadata does not (the wait costs up to a whole step).
-        deletes = plan.extra_segment == "remove" or any(
-            x.sharding.spec != dst.param_spec(path) for path, x in engine.executor.param_items())
-        if deletes:
+        # Steps are still queued on the device. Buffers the handoff deletes (resharded weight
+        # leaves, the extra segment) are freed only once those steps are done, so the device is
+        # waited for only when the new buffers would not fit beside them (the wait costs up to two
+        # steps); deleting a buffer a queued program still reads is safe (PjRt frees it after).
+        if self._must_wait_for_memory(plan):
             jax.block_until_ready((engine.executor.pool, engine.executor.params))
         phase("wait_for_device")
         dst_pages = self._pages_per_device(dst)
@@ -410,6 +416,23 @@ class SwitchController:
         self._finish(handle, SwitchState.DONE)
         log.info("switch %s -> %s done: %s", src.name, dst.name, handle.as_dict())
 
+    def _must_wait_for_memory(self, plan: TransitionPlan, margin_bytes: int = 256 * 2**20) -> bool:
+        """True when the buffers the handoff allocates (resharded weight leaves, the extra
+        segment) might not fit next to those it frees (which stay allocated until the queued
+        steps finish): the least free device memory is below what they need plus a margin.
+        Backends without memory statistics (CPU) never wait."""
+        engine = self.engine
+        needed = sum(
+            _bytes_per_device(x, NamedSharding(engine.mesh, plan.dst.param_spec(path)))
+            for path, x in engine.executor.param_items() if x.sharding.spec != plan.dst.param_spec(path)
+        )
+        if plan.extra_segment == "add":
+            needed += engine.extra_pages * engine.page_bytes
+        if not needed:
+            return False
+        free = _least_free_device_bytes(engine.mesh)
+        return free is not None and free < needed + margin_bytes
+
     def _resharded_weights(self, dst: Layout) -> list:
         """The params as `dst` places them (dispatched, not waited for: the next step consumes them)."""
         out = []
@@ -428,3 +451,20 @@ class SwitchController:
         handle.reason = reason
         self._finish(handle, SwitchState.REFUSED)
         return handle
+
+
+def _bytes_per_device(x: jax.Array, sharding: NamedSharding) -> int:
+    return int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+
+def _least_free_device_bytes(mesh) -> int | None:
+    """min over the mesh's devices of (memory limit - in use), or None without statistics."""
+    free = []
+    for d in mesh.devices.flat:
+        if d.process_index != jax.process_index():
+            continue  # another host's device: that process decides for its own
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free)
