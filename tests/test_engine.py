@@ -314,7 +314,7 @@ def test_start_up_objects_are_frozen_out_of_the_garbage_collector(model):
 
 def test_last_step_phases_partition_the_step(engine):
     """engine.last_step_ms splits a step() call's wall time into its host phases (switch, schedule,
-    dispatch, complete) and the wait for the device; together they are the call, no more."""
+    dispatch, handoff, complete) and the wait for the device; together they are the call, no more."""
     import time
 
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), "phases")
@@ -324,7 +324,7 @@ def test_last_step_phases_partition_the_step(engine):
         engine.step()
         wall = (time.perf_counter() - t) * 1e3
         phases = engine.last_step_ms
-        assert set(phases) == {"switch", "schedule", "dispatch", "wait", "complete"}
+        assert set(phases) == {"switch", "schedule", "dispatch", "handoff", "wait", "complete"}
         assert all(v >= 0 for v in phases.values())
         assert sum(phases.values()) <= wall
         seen_wait |= phases["wait"] > 0

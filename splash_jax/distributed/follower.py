@@ -80,8 +80,8 @@ class Follower:
         self.ex.apply_to_pool(lambda kv: mover(kv, chunk))
 
     def _reshard(self, cmd: Command) -> None:
-        x = self.ex.params[cmd.fields["leaf"]]
-        self.outputs.append(self.engine.switcher.resharder(x, spec_from_json(cmd.fields["spec"])))
+        xs = [self.ex.params[i] for i in cmd.fields["leaves"]]
+        self.outputs.extend(self.engine.switcher.resharder(xs, [spec_from_json(s) for s in cmd.fields["specs"]]))
 
     def _make_extra(self, cmd: Command) -> None:
         self.outputs.extend(jax.tree.leaves(self.engine.switcher._make_extra()))

@@ -152,7 +152,7 @@ class RecordedMover:
 
 
 class RecordedResharder:
-    """The WeightResharder with each leaf reshard streamed as `reshard`."""
+    """The WeightResharder with each call (all the leaves a handoff changes) streamed as `reshard`."""
 
     def __init__(self, inner, executor: LeaderExecutor):
         self._inner, self._ex = inner, executor
@@ -160,12 +160,12 @@ class RecordedResharder:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def __call__(self, x, dst_spec):
-        i = self._ex.leaf_index(x)
-        self._ex._channel.send(Command("reshard", {"leaf": i, "spec": spec_to_json(dst_spec)}))
-        out = self._inner(x, dst_spec)
-        self._ex._outputs.add([out])
-        return out
+    def __call__(self, xs, dst_specs):
+        leaves = [self._ex.leaf_index(x) for x in xs]
+        self._ex._channel.send(Command("reshard", {"leaves": leaves, "specs": [spec_to_json(s) for s in dst_specs]}))
+        outs = self._inner(xs, dst_specs)
+        self._ex._outputs.add(outs)
+        return outs
 
 
 class RecordedProgram:

@@ -260,6 +260,9 @@ class Engine:
             for name in [start] + others:
                 self._switch_while_idle(name)
                 ex = self.executor
+                if self.switcher is not None:
+                    self.switcher.run_mover_once()
+                    count += 1
                 moves = [None] + ([self.switcher.empty_moves()] if self.switcher is not None and ex.move_pages else [])
                 for bucket in ex.buckets(self.layout):
                     packed = pack_step(ex.shape(self.layout, bucket), [], self.scheduler.tables, self.slot_sampling,

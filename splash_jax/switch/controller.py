@@ -63,6 +63,7 @@ class SwitchHandle:
     finished: float | None = None
     pages_planned: int = 0
     pages_copied: int = 0
+    pages_at_handoff: int = 0  # copies the handoff itself ran (the rest rode inside steps)
     bytes_moved: int = 0
     steps_overlapped: int = 0
     handoff_s: float = 0.0
@@ -92,7 +93,8 @@ class SwitchHandle:
     def as_dict(self) -> dict:
         return {
             "src": self.src, "dst": self.dst, "state": self.state.value, "reason": self.reason,
-            "progress": self.progress, "pages_copied": self.pages_copied, "bytes_moved": self.bytes_moved,
+            "progress": self.progress, "pages_copied": self.pages_copied, "pages_at_handoff": self.pages_at_handoff,
+            "bytes_moved": self.bytes_moved,
             "steps_overlapped": self.steps_overlapped, "duration_s": self.duration_s, "handoff_s": self.handoff_s,
             "handoff_phases_ms": dict(self.handoff_phases_ms), "preempted": list(self.preempted), "plan": self.plan,
         }
@@ -122,17 +124,19 @@ class SwitchController:
         log.info("compiled %d migration programs in %.1fs (%d from the persistent cache)",
                  rec["programs"], rec["seconds"], rec["cache_hits"])
         self.active: tuple[SwitchHandle, TransitionPlan] | None = None
+        self.max_catch_ups = 2  # background rounds for pages filled during the copies (see _catch_up)
+        self._catch_ups = 0
         self.history: list[SwitchHandle] = []
 
     # --- start-up compilation ------------------------------------------------------------------
     def _precompile_weight_programs(self) -> None:
         head, flat = get_layout("tp"), get_layout("dp")
-        for path, x in self.engine.executor.param_items():
-            sharded, replicated = head.param_spec(path), flat.param_spec(path)
-            if sharded != replicated:
-                abstract = jax.ShapeDtypeStruct(x.shape, x.dtype)
-                self.resharder.program(abstract, sharded, replicated)
-                self.resharder.program(abstract, replicated, sharded)
+        items = [(path, x) for path, x in self.engine.executor.param_items() if head.param_spec(path) != flat.param_spec(path)]
+        if items:
+            abstracts = [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in items]
+            sharded, replicated = [head.param_spec(p) for p, _ in items], [flat.param_spec(p) for p, _ in items]
+            self.resharder.program(abstracts, sharded, replicated)
+            self.resharder.program(abstracts, replicated, sharded)
 
     def _extra_segment_program(self):
         ex = self.engine.executor
@@ -193,6 +197,7 @@ class SwitchController:
         handle.plan = plan.summary()
         self._cursor = {rid: 0 for rid in plan.requests}
         self._pairs = {}
+        self._catch_ups = 0
         self.active = (handle, plan)
         log.info("switch %s -> %s started: %s", src.name, dst.name, handle.plan)
         return handle
@@ -248,7 +253,25 @@ class SwitchController:
         if handle._cancel or self._has_pending(plan):
             return
         self._drop_stale(plan)  # scheduling may have preempted some since before_step
+        if self.engine.executor.move_pages and self._catch_ups < self.max_catch_ups and self._catch_up(plan):
+            self._catch_ups += 1
+            handle.pages_planned = len(plan.copies)
+            return  # pages filled since planning (and new requests) are copied by the next steps
         self._handoff(handle, plan)
+
+    def _catch_up(self, plan: TransitionPlan) -> bool:
+        """Extend the planned requests to the full pages they wrote since planning, so background
+        steps copy them and the handoff copies about one partial page per request (one mover call
+        instead of several: 1-6 ms of host time at a handoff on the H200 host). Requests admitted
+        meanwhile are left to the handoff (reserving their pages early would crowd the source
+        layout into preempting). True if copies were added. Out of pages: stop here (the handoff
+        preempts)."""
+        before = len(plan.copies)
+        try:
+            self._extend_plans(plan, full_pages_only=True)
+        except (OutOfPages, SwitchRefused):
+            pass
+        return len(plan.copies) > before
 
     def step_moves(self):
         """The page copies the next step carries ([N, 4*N*K] index buffer), or None."""
@@ -268,10 +291,22 @@ class SwitchController:
 
     def empty_moves(self) -> np.ndarray:
         """A moving step's index buffer that copies nothing (every receive slot dropped)."""
-        alloc, k, n = self.engine.allocator, self.chunk_pages, self.engine.n
+        return chunk_buffer(self._empty_chunk(self.chunk_pages))
+
+    def _empty_chunk(self, k: int) -> PageChunk:
+        alloc, n = self.engine.allocator, self.engine.n
         sentinel = alloc.pages_per_device + alloc.extra_per_device + 1
         zeros = np.zeros((n, n, k), np.int32)
-        return chunk_buffer(PageChunk(zeros, zeros, np.full((n, n, k), sentinel, np.int32), zeros, 0))
+        return PageChunk(zeros, zeros, np.full((n, n, k), sentinel, np.int32), zeros, 0)
+
+    def run_mover_once(self) -> None:
+        """Run the handoff mover of the current pool structure on a chunk that copies nothing (at
+        start-up, per layout): a program's first call takes jax's slow dispatch path (~2 ms on
+        the H200 host), which otherwise lands on the first real handoff."""
+        ex = self.engine.executor
+        mover = self.movers[ex.kv_abstract(ex.layout).num_segments]
+        chunk = self._empty_chunk(self.handoff_chunk_pages)
+        ex.apply_to_pool(lambda kv: mover(kv, chunk))
 
     # --- internals ---------------------------------------------------------------------------------
     def _pending(self, plan: TransitionPlan) -> list[tuple[str, tuple[int, int]]]:
@@ -323,12 +358,14 @@ class SwitchController:
         for rid, _ in pending:
             self._cursor[rid] += 1
         handle.pages_copied += len(pending)
+        handle.pages_at_handoff += len(pending)
         handle.bytes_moved += len(pending) * engine.page_bytes
 
     def _drop_stale(self, plan: TransitionPlan) -> None:
-        """Requests that finished or were preempted since planning: give back their reservations."""
+        """Requests that finished or were preempted since planning (even if admitted again: their
+        source pages were freed and may belong to others now): give back their reservations."""
         running = {r.request_id for r in self.engine.scheduler.running}
-        for rid in [rid for rid in plan.requests if rid not in running]:
+        for rid in [rid for rid, p in plan.requests.items() if rid not in running or p.stale]:
             self.engine.allocator.free(plan.requests.pop(rid).reserved)
             self._cursor.pop(rid, None)
             self._pairs.pop(rid, None)
@@ -355,35 +392,8 @@ class SwitchController:
         if self._must_wait_for_memory(plan):
             jax.block_until_ready((engine.executor.pool, engine.executor.params))
         phase("wait_for_device")
-        dst_pages = self._pages_per_device(dst)
-        load: Counter = Counter()  # pages per owner, as in start()
-        for p in plan.requests.values():
-            load[p.owner] += self._pages_of(p.request)
         # 1. Extend plans to every page holding data (and plan requests admitted meanwhile).
-        for r in sorted(sched.running, key=lambda r: r.order):
-            if r not in sched.running:
-                continue  # preempted below to make room for an earlier request
-            while True:
-                try:
-                    existing = plan.requests.get(r.request_id)
-                    owner = existing.owner if existing else choose_owner(r, src, dst, engine.n, load, engine.config.page_size, dst_pages)
-                    plan.requests[r.request_id] = plan_request(
-                        r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owner,
-                        upto_tokens=r.num_computed, existing=existing,
-                    )
-                    self._cursor.setdefault(r.request_id, 0)
-                    if existing is None:
-                        load[owner] += self._pages_of(r)
-                    break
-                except (OutOfPages, SwitchRefused):
-                    # No room to finish the plan: recompute the newest request later (nothing is lost).
-                    victim = max(sched.running, key=lambda q: q.order)
-                    if victim.request_id in plan.requests:
-                        engine.allocator.free(plan.requests.pop(victim.request_id).reserved)
-                    sched.preempt(victim)
-                    handle.preempted.append(victim.request_id)
-                    if victim is r:
-                        break
+        self._extend_plans(plan, full_pages_only=False, preempted=handle.preempted)
         phase("extend_plans")
         self._copy(handle, plan)
         phase("copy_last_pages")
@@ -416,6 +426,50 @@ class SwitchController:
         self._finish(handle, SwitchState.DONE)
         log.info("switch %s -> %s done: %s", src.name, dst.name, handle.as_dict())
 
+    def _extend_plans(self, plan: TransitionPlan, full_pages_only: bool, preempted: list[str] | None = None) -> None:
+        """Extend the planned requests to their full pages (catch-up), or every running request to
+        every page holding data, planning those admitted since the switch started (handoff). Out of pages:
+        with `preempted` (the handoff) the newest request is preempted (recomputed later, nothing
+        lost) and the loop goes on; otherwise the error propagates."""
+        engine, sched, src, dst = self.engine, self.engine.scheduler, plan.src, plan.dst
+        page_size = engine.config.page_size
+        dst_pages = self._pages_per_device(dst)
+        load: Counter = Counter()  # pages per owner, as in start()
+        for p in plan.requests.values():
+            load[p.owner] += self._pages_of(p.request)
+        for r in sorted(sched.running, key=lambda r: r.order):
+            if r not in sched.running:
+                continue  # preempted below to make room for an earlier request
+            upto = (r.num_computed // page_size) * page_size if full_pages_only else r.num_computed
+            existing = plan.requests.get(r.request_id)
+            if full_pages_only and existing is None:
+                continue  # admitted since the switch started: planned at the handoff, as before
+            if existing is not None and pages_for_tokens(upto, page_size) <= existing.planned_pages:
+                continue  # nothing new to plan (plans before the handoff cover full pages only)
+            while True:
+                try:
+                    existing = plan.requests.get(r.request_id)
+                    owner = existing.owner if existing else choose_owner(r, src, dst, engine.n, load, page_size, dst_pages)
+                    plan.requests[r.request_id] = plan_request(
+                        r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owner,
+                        upto_tokens=upto, existing=existing,
+                    )
+                    self._cursor.setdefault(r.request_id, 0)
+                    if existing is None:
+                        load[owner] += self._pages_of(r)
+                    break
+                except (OutOfPages, SwitchRefused):
+                    if preempted is None:
+                        raise
+                    # No room to finish the plan: recompute the newest request later (nothing is lost).
+                    victim = max(sched.running, key=lambda q: q.order)
+                    if victim.request_id in plan.requests:
+                        engine.allocator.free(plan.requests.pop(victim.request_id).reserved)
+                    sched.preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is r:
+                        break
+
     def _must_wait_for_memory(self, plan: TransitionPlan, margin_bytes: int = 256 * 2**20) -> bool:
         """True when the buffers the handoff allocates (resharded weight leaves, the extra
         segment) might not fit next to those it frees (which stay allocated until the queued
@@ -434,11 +488,15 @@ class SwitchController:
         return free is not None and free < needed + margin_bytes
 
     def _resharded_weights(self, dst: Layout) -> list:
-        """The params as `dst` places them (dispatched, not waited for: the next step consumes them)."""
-        out = []
-        for path, x in self.engine.executor.param_items():
-            target = dst.param_spec(path)
-            out.append(self.resharder(x, target) if x.sharding.spec != target else x)
+        """The params as `dst` places them (one program for every leaf that changes, dispatched and
+        not waited for: the next step consumes them)."""
+        out = [x for _, x in self.engine.executor.param_items()]
+        changed = [(i, dst.param_spec(path)) for i, (path, x) in enumerate(self.engine.executor.param_items())
+                   if x.sharding.spec != dst.param_spec(path)]
+        if changed:
+            new = self.resharder([out[i] for i, _ in changed], [spec for _, spec in changed])
+            for (i, _), y in zip(changed, new):
+                out[i] = y
         return out
 
     def _finish(self, handle: SwitchHandle, state: SwitchState) -> None:

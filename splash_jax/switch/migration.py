@@ -5,8 +5,8 @@ device (all layers, latent and rope, either pool segment) with one all_to_all in
 shard_map, so the transfer is a device collective, never a host round trip (DESIGN.md §3).
 With the stacked pool ([L, P, S, D] per segment) a chunk is one gather and one scatter over
 [all layers, page ids].
-Weights are resharded leaf by leaf with a jitted identity whose out_shardings is the target
-and whose input is donated, so each source buffer is freed as its replacement appears.
+Weights are resharded by one jitted identity over every leaf that changes, whose out_shardings
+are the targets; the sources are deleted after it.
 """
 
 from __future__ import annotations
@@ -153,26 +153,31 @@ class PageMover:
 
 
 class WeightResharder:
-    """Per (shape, dtype, source spec, target spec): a compiled identity placing a leaf on its target
-    sharding; the source is deleted right after, so at most one leaf exists twice at a time.
+    """Places the attention weight leaves a switch changes on their target shardings: one compiled
+    identity per (leaves' shapes and dtypes, source specs, target specs), all leaves in one call
+    (one launch at a handoff instead of one per leaf: 0.2-0.35 ms each on the H200 host). The
+    sources are deleted right after (freed once the queued programs that read them are done).
     (Donation cannot alias buffers whose per-device shape changes, so the delete is explicit.)"""
 
     def __init__(self, mesh):
         self.mesh = mesh
         self._programs: dict = {}
 
-    def program(self, abstract: jax.ShapeDtypeStruct, src_spec: P, dst_spec: P):
-        key = (abstract.shape, abstract.dtype, src_spec, dst_spec)
+    def program(self, abstracts: list[jax.ShapeDtypeStruct], src_specs: list[P], dst_specs: list[P]):
+        key = (tuple((a.shape, a.dtype) for a in abstracts), tuple(src_specs), tuple(dst_specs))
         if key not in self._programs:
-            src = jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=NamedSharding(self.mesh, src_spec))
-            fn = jax.jit(lambda x: x, out_shardings=NamedSharding(self.mesh, dst_spec))
-            self._programs[key] = fn.lower(src).compile()
+            srcs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, s))
+                    for a, s in zip(abstracts, src_specs)]
+            fn = jax.jit(lambda *xs: xs, out_shardings=tuple(NamedSharding(self.mesh, s) for s in dst_specs))
+            self._programs[key] = fn.lower(*srcs).compile()
         return self._programs[key]
 
-    def __call__(self, x: jax.Array, dst_spec: P) -> jax.Array:
-        out = self.program(jax.ShapeDtypeStruct(x.shape, x.dtype), x.sharding.spec, dst_spec)(x)
-        x.delete()
-        return out
+    def __call__(self, xs: list[jax.Array], dst_specs: list[P]) -> list[jax.Array]:
+        abstracts = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
+        outs = self.program(abstracts, [x.sharding.spec for x in xs], list(dst_specs))(*xs)
+        for x in xs:
+            x.delete()
+        return list(outs)
 
 
 def new_extra_segment(kv: KVCache, extra_pages_total: int, sharding) -> KVCache:

@@ -40,6 +40,12 @@ class RequestPlan:
     copies: list[tuple[int, int]]  # (source page, reserved destination page)
     reserved: list[int]  # destination pages allocated for this plan (freed on cancel)
     planned_pages: int  # pages of the request covered by this plan
+    order: int = -1  # the request's admission order when planned: a re-admitted request's plan is stale
+
+    @property
+    def stale(self) -> bool:
+        """The request was preempted (its pages freed) and admitted again since this plan was made."""
+        return self.request.order != self.order
 
 
 @dataclasses.dataclass
@@ -116,7 +122,7 @@ def plan_request(
     """Reserve destination pages for `request`'s pages (up to `upto_tokens`), extending `existing`."""
     n = allocator.num_devices
     num_pages = pages_for_tokens(upto_tokens if upto_tokens is not None else request.num_computed, allocator.page_size)
-    plan = existing or RequestPlan(request, owner, [[] for _ in range(n)], [], [], 0)
+    plan = existing or RequestPlan(request, owner, [[] for _ in range(n)], [], [], 0, request.order)
     holders = page_holders(src, n, request.device_pages, from_index=plan.planned_pages)
     # All or nothing: a failed extension (no free page) leaves `existing` exactly as it was.
     lengths = [len(x) for x in plan.dst_pages], len(plan.reserved), len(plan.copies)
