@@ -142,6 +142,8 @@ def main(argv=None):
             "overhead_p99": float(np.percentile(overheads, 99)) if overheads else None,
             "handoff_step_x": handoff_step / base_dst if handoff_step else None,
             "handoff_window_x": window, "first_dst_steps_ms": [t * 1e3 for t in after[:2]],
+            "migration_steps_ms": [round(t * 1e3, 3) for t in migration],  # to find the p99 steps
+            "catch_ups": info["catch_ups"], "pages_at_handoff": info["pages_at_handoff"],
             "copy_GBps": info["bytes_moved"] / copy_s / 1e9 if copy_s and info["bytes_moved"] else None,
             "copy_of_link": info["bytes_moved"] / copy_s / link if copy_s and link and info["bytes_moved"] else None,
             "handoff_phases_ms": info["handoff_phases_ms"], "handoff_step_ms": handoff_step * 1e3 if handoff_step else None,

@@ -64,6 +64,7 @@ class SwitchHandle:
     pages_planned: int = 0
     pages_copied: int = 0
     pages_at_handoff: int = 0  # copies the handoff itself ran (the rest rode inside steps)
+    catch_ups: int = 0  # background rounds for pages filled during the copies
     bytes_moved: int = 0
     steps_overlapped: int = 0
     handoff_s: float = 0.0
@@ -94,7 +95,7 @@ class SwitchHandle:
         return {
             "src": self.src, "dst": self.dst, "state": self.state.value, "reason": self.reason,
             "progress": self.progress, "pages_copied": self.pages_copied, "pages_at_handoff": self.pages_at_handoff,
-            "bytes_moved": self.bytes_moved,
+            "catch_ups": self.catch_ups, "bytes_moved": self.bytes_moved,
             "steps_overlapped": self.steps_overlapped, "duration_s": self.duration_s, "handoff_s": self.handoff_s,
             "handoff_phases_ms": dict(self.handoff_phases_ms), "preempted": list(self.preempted), "plan": self.plan,
         }
@@ -125,7 +126,6 @@ class SwitchController:
                  rec["programs"], rec["seconds"], rec["cache_hits"])
         self.active: tuple[SwitchHandle, TransitionPlan] | None = None
         self.max_catch_ups = 2  # background rounds for pages filled during the copies (see _catch_up)
-        self._catch_ups = 0
         self.history: list[SwitchHandle] = []
 
     # --- start-up compilation ------------------------------------------------------------------
@@ -197,7 +197,6 @@ class SwitchController:
         handle.plan = plan.summary()
         self._cursor = {rid: 0 for rid in plan.requests}
         self._pairs = {}
-        self._catch_ups = 0
         self.active = (handle, plan)
         log.info("switch %s -> %s started: %s", src.name, dst.name, handle.plan)
         return handle
@@ -253,8 +252,8 @@ class SwitchController:
         if handle._cancel or self._has_pending(plan):
             return
         self._drop_stale(plan)  # scheduling may have preempted some since before_step
-        if self.engine.executor.move_pages and self._catch_ups < self.max_catch_ups and self._catch_up(plan):
-            self._catch_ups += 1
+        if self.engine.executor.move_pages and handle.catch_ups < self.max_catch_ups and self._catch_up(plan):
+            handle.catch_ups += 1
             handle.pages_planned = len(plan.copies)
             return  # pages filled since planning (and new requests) are copied by the next steps
         self._handoff(handle, plan)
