@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import platform
 import sys
 from pathlib import Path
@@ -40,7 +41,8 @@ def write_results(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = RESULTS / f"{name}_{machine_tag()}_{stamp}.json"
-    payload = {"machine": machine_info(), "command": " ".join(sys.argv), "time": stamp, **payload}
+    env = {k: os.environ[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+    payload = {"machine": machine_info(), "command": " ".join(sys.argv), "env": env, "time": stamp, **payload}
     path.write_text(json.dumps(payload, indent=2, default=float))
     logging.getLogger(name).info("wrote %s", path)
     return path

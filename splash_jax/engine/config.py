@@ -41,7 +41,10 @@ class EngineConfig:
     enable_switching: bool = False  # precompile every layout and the migration programs
     layout_policy: str = "off"  # off | auto (the transition-aware policy picks layouts; needs switching)
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
-    switch_chunk_pages: int = 8  # pages copied per device pair inside each step during a switch
+    # Pages copied per device pair inside each step during a switch, capped so the step's moved
+    # pages (N x K pages, all layers) stay under 256 MB per device (migration.in_step_chunk_pages).
+    # 2 H200s, V3 width: 64 moved 4x what 16 did per step at the same step overhead (median <= 3.5%).
+    switch_chunk_pages: int = 64
     overlap_scheduling: bool = True  # dispatch step k+1 before step k's tokens reach the host
     max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
     max_logit_bias: int = 64  # logit_bias entries per request; fixes the sampler's bias columns

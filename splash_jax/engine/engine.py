@@ -37,6 +37,7 @@ from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
+from splash_jax.switch.migration import in_step_chunk_pages
 from splash_jax.kv.capacity import (
     bytes_per_page,
     extra_pages_per_device,
@@ -149,12 +150,13 @@ class Engine:
             "KV pool (%s on %d devices): %d base + %d extra pages of %d tokens per device, %d tokens capacity (%.2f GiB)",
             self.layout.name, self.n, per_device, extra, config.page_size, self.kv_capacity_tokens(), kv.nbytes() / 2**30,
         )
+        self.switch_chunk_pages = in_step_chunk_pages(config.switch_chunk_pages, self.n, self.page_bytes)
         self.executor = StepExecutor(
             self.model, kv, self.mesh, self.layout,
             (config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
             self.pages_per_request, config.attention_impl, widths, config.max_num_seqs,
             extra_pages_total=self.n * self.extra_pages,
-            move_pages=config.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
+            move_pages=self.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
         )
         if config.warmup:  # with switching, every layout's steps: a switch must never compile
             layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else None
@@ -163,7 +165,7 @@ class Engine:
         if config.enable_switching:
             from splash_jax.switch.controller import SwitchController
 
-            self.switcher = SwitchController(self, config.switch_chunk_pages)  # compiles the migration programs
+            self.switcher = SwitchController(self, self.switch_chunk_pages)  # compiles the migration programs
         self.policy = None
         if config.layout_policy == "auto":
             from splash_jax.policy import TransitionAwarePolicy

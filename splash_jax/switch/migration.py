@@ -71,6 +71,12 @@ def pack_chunks(copies: list[tuple[int, int]], allocator: PageAllocator, k: int)
 MOVE_FIELDS = ("send_ids", "send_seg", "recv_ids", "recv_seg")
 
 
+def in_step_chunk_pages(requested: int, num_devices: int, page_bytes: int, budget_bytes: int = 256 * 2**20) -> int:
+    """Pages per device pair a step carries: `requested`, capped so the N x K pages a device sends
+    (all layers; the step holds them beside its own buffers) stay under `budget_bytes`."""
+    return max(1, min(requested, budget_bytes // max(1, num_devices * page_bytes)))
+
+
 def chunk_buffer(chunk: PageChunk) -> np.ndarray:
     """A chunk's index arrays as one per-device int32 buffer [N, 4*N*K] (one transfer)."""
     n = chunk.send_ids.shape[0]
