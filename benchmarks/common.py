@@ -48,6 +48,17 @@ def write_results(name: str, payload: dict) -> Path:
     return path
 
 
+def read_json(path) -> dict:
+    """A results file, plain or gzipped (large runs are stored as .json.gz)."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        import gzip
+
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
+
+
 def percentiles(values, ps=(50, 90, 99)) -> dict:
     if not len(values):
         return {f"p{p}": None for p in ps} | {"mean": None}

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-from pathlib import Path
 
 import numpy as np
 
 from benchmarks import workloads as W
-from benchmarks.common import table, write_results
+from benchmarks.common import read_json, table, write_results
 from benchmarks.dynamic import COLUMNS, RequestRecord, Sample, plot, rows_of, summarize
 from splash_jax.calibration import Calibration, StepTable, attended_keys
 from splash_jax.engine.config import add_dataclass_args
@@ -207,7 +205,7 @@ def main(argv=None):
     cal = Calibration.load(c.calibration)
     measured, arrivals = None, None
     if c.validate:
-        res = json.loads(Path(c.validate).read_text())
+        res = read_json(c.validate)
         e = res["engine"]
         for k in ("page_size", "pages_per_device", "extra_pages_per_device", "max_num_seqs", "max_num_batched_tokens",
                   "max_model_len", "enable_chunked_prefill"):
