@@ -116,9 +116,10 @@ def main(argv=None):
         base_src = float(np.median(base_src))
         t0 = time.perf_counter()
         handle = engine.switch_layout(dst)
-        during = []
+        during, during_phases = [], []
         while not handle.done:
             during.append(timed_step(engine))
+            during_phases.append({k: round(v, 3) for k, v in engine.last_step_ms.items()})
         handoff_phases = engine.last_step_ms  # the step that handed off (after dispatching in the source)
         wall = time.perf_counter() - t0
         after = [timed_step(engine) for _ in range(args.baseline_steps + 2)]
@@ -143,6 +144,7 @@ def main(argv=None):
             "handoff_step_x": handoff_step / base_dst if handoff_step else None,
             "handoff_window_x": window, "first_dst_steps_ms": [t * 1e3 for t in after[:2]],
             "migration_steps_ms": [round(t * 1e3, 3) for t in migration],  # to find the p99 steps
+            "migration_step_phases_ms": during_phases[:-1],
             "catch_ups": info["catch_ups"], "pages_at_handoff": info["pages_at_handoff"],
             "copy_GBps": info["bytes_moved"] / copy_s / 1e9 if copy_s and info["bytes_moved"] else None,
             "copy_of_link": info["bytes_moved"] / copy_s / link if copy_s and link and info["bytes_moved"] else None,
