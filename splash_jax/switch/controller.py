@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import time
 from collections import Counter
@@ -108,7 +109,7 @@ class SwitchController:
         self.engine = engine
         self.chunk_pages = chunk_pages
         self._cursor: dict[str, int] = {}
-        self._pairs: dict[str, list[tuple[int, int]]] = {}
+        self._pairs: dict[str, np.ndarray] = {}  # per request: device pair (src * N + dst) of each copy
         self.handoff_chunk_pages = self._handoff_chunk_pages()  # the handoff mover's compiled K
         ex = engine.executor
         layouts = [get_layout(n) for n in ("dp", "tp")]  # one without and one with the extra segment
@@ -314,33 +315,39 @@ class SwitchController:
     def _has_pending(self, plan: TransitionPlan) -> bool:
         return any(self._cursor[rid] < len(p.copies) for rid, p in plan.requests.items())
 
-    def _device_pairs(self, rid: str, copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """(source device, destination device) of each copy of a request's plan, located once
-        (per step, locating page by page cost ~2 ms of host time per step for 64 requests)."""
-        pairs = self._pairs.get(rid)
-        if pairs is None or len(pairs) != len(copies):  # new, or extended at handoff
-            locate = self.engine.allocator.locate
-            src, dst = locate([c[0] for c in copies])[0], locate([c[1] for c in copies])[0]
-            pairs = self._pairs[rid] = list(zip(src.tolist(), dst.tolist()))
-        return pairs
+    def _locate_pairs(self, plan: TransitionPlan) -> None:
+        """The device pair (source * N + destination) of every copy not yet located, all requests
+        in one vectorized pass, kept as arrays. Located per request into Python lists, the first
+        migration step of a 64-request switch took 4-10 ms of extra host time on the H200 host
+        (the p99 of the migration steps)."""
+        todo = [(rid, p) for rid, p in plan.requests.items() if len(self._pairs.get(rid, ())) != len(p.copies)]
+        if not todo:
+            return
+        ids = np.fromiter(itertools.chain.from_iterable(c for _, p in todo for c in p.copies), np.int64)
+        locate = self.engine.allocator.locate
+        pair = locate(ids[0::2])[0] * self.engine.n + locate(ids[1::2])[0]
+        ends = np.cumsum([len(p.copies) for _, p in todo])
+        for (rid, _), located in zip(todo, np.split(pair, ends[:-1])):
+            self._pairs[rid] = located
 
     def _take(self, plan: TransitionPlan) -> list[tuple[int, int]]:
         """The next copies, at most chunk_pages per device pair, advancing each request's cursor."""
         k = self.chunk_pages
-        per_pair: Counter = Counter()
+        self._locate_pairs(plan)
+        per_pair = [0] * (self.engine.n * self.engine.n)
         taken = []
         for rid, p in plan.requests.items():
-            cur = self._cursor[rid]
-            if cur >= len(p.copies):
+            cur, end = self._cursor[rid], len(p.copies)
+            if cur >= end:
                 continue
-            pairs = self._device_pairs(rid, p.copies)
-            while cur < len(p.copies):
-                pair = pairs[cur]
+            pairs = self._pairs[rid]
+            while cur < end:
+                pair = int(pairs[cur])
                 if per_pair[pair] >= k:
                     break
                 per_pair[pair] += 1
-                taken.append(p.copies[cur])
                 cur += 1
+            taken += p.copies[self._cursor[rid]:cur]
             self._cursor[rid] = cur
         return taken
 
