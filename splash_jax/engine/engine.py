@@ -37,7 +37,6 @@ from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
-from splash_jax.switch.migration import in_step_chunk_pages
 from splash_jax.kv.capacity import (
     bytes_per_page,
     extra_pages_per_device,
@@ -53,6 +52,7 @@ from splash_jax.model import RuntimeOptions
 from splash_jax.model_config import ModelConfig
 from splash_jax.paths import DEFAULT_MODEL
 from splash_jax.tokenizer import Tokenizer
+from splash_jax.switch.migration import in_step_chunk_pages
 from splash_jax.weights.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,8 @@ class Engine:
         self.num_steps = 0
         self.num_step_failures = 0
         # Host time of the last step() by phase, ms (switch: policy and cancels; handoff: a
-        # switch's batch-boundary handoff; wait: blocked on the device for the completed step's tokens). Cheap enough to keep
-        # always; benchmarks/switching.py reports it for handoff steps.
+        # switch's batch-boundary handoff; wait: blocked on the device for the completed step's
+        # tokens). Cheap enough to keep always; benchmarks/switching.py reports it per step.
         self.last_step_ms: dict[str, float] = {}
         self._last_wait_s = 0.0
         if config.resolved_warmup_runs(backend):  # every process runs it itself, before mirroring starts

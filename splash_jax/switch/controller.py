@@ -256,7 +256,7 @@ class SwitchController:
         if self.engine.executor.move_pages and handle.catch_ups < self.max_catch_ups and self._catch_up(plan):
             handle.catch_ups += 1
             handle.pages_planned = len(plan.copies)
-            return  # pages filled since planning (and new requests) are copied by the next steps
+            return  # the pages filled since planning are copied by the next steps
         self._handoff(handle, plan)
 
     def _catch_up(self, plan: TransitionPlan) -> bool:

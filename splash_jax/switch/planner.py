@@ -40,7 +40,7 @@ class RequestPlan:
     copies: list[tuple[int, int]]  # (source page, reserved destination page)
     reserved: list[int]  # destination pages allocated for this plan (freed on cancel)
     planned_pages: int  # pages of the request covered by this plan
-    order: int = -1  # the request's admission order when planned: a re-admitted request's plan is stale
+    order: int  # the request's admission order when planned: a re-admitted request's plan is stale
 
     @property
     def stale(self) -> bool:
