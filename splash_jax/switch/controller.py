@@ -194,7 +194,7 @@ class SwitchController:
         except (OutOfPages, SwitchRefused) as e:
             self._release(plan)
             return self._refuse(handle, f"not enough free pages to stage the switch: {e}")
-        handle.pages_planned = len(plan.copies)
+        handle.pages_planned = plan.num_copies
         handle.plan = plan.summary()
         self._cursor = {rid: 0 for rid in plan.requests}
         self._pairs = {}
@@ -255,7 +255,7 @@ class SwitchController:
         self._drop_stale(plan)  # scheduling may have preempted some since before_step
         if self.engine.executor.move_pages and handle.catch_ups < self.max_catch_ups and self._catch_up(plan):
             handle.catch_ups += 1
-            handle.pages_planned = len(plan.copies)
+            handle.pages_planned = plan.num_copies
             return  # the pages filled since planning are copied by the next steps
         self._handoff(handle, plan)
 
@@ -266,12 +266,12 @@ class SwitchController:
         meanwhile are left to the handoff (reserving their pages early would crowd the source
         layout into preempting). True if copies were added. Out of pages: stop here (the handoff
         preempts)."""
-        before = len(plan.copies)
+        before = plan.num_copies
         try:
             self._extend_plans(plan, full_pages_only=True)
         except (OutOfPages, SwitchRefused):
             pass
-        return len(plan.copies) > before
+        return plan.num_copies > before
 
     def step_moves(self):
         """The page copies the next step carries ([N, 4*N*K] index buffer), or None."""

@@ -70,18 +70,23 @@ class TransitionPlan:
         return [c for p in self.requests.values() for c in p.copies]
 
     @property
+    def num_copies(self) -> int:
+        return sum(len(p.copies) for p in self.requests.values())
+
+    @property
     def cache_bytes(self) -> int:
-        return len(self.copies) * self.page_bytes
+        return self.num_copies * self.page_bytes
 
     @property
     def weight_bytes(self) -> int:
         return sum(w.bytes for w in self.weights if w.kind == "gather")
 
     def summary(self) -> dict:
-        reused = sum(sum(len(d) for d in p.dst_pages) - len(p.copies) for p in self.requests.values())
+        copies = self.num_copies
+        reused = sum(len(d) for p in self.requests.values() for d in p.dst_pages) - copies
         return {
             "src": self.src.name, "dst": self.dst.name,
-            "pages_copied": len(self.copies), "pages_reused": reused,
+            "pages_copied": copies, "pages_reused": reused,
             "pages_freed": self.pages_freed,
             "cache_bytes": self.cache_bytes, "weight_bytes_gathered": self.weight_bytes,
             "weight_leaves": {k: sum(1 for w in self.weights if w.kind == k) for k in ("slice", "gather")},
