@@ -405,3 +405,38 @@ def test_pages_filled_during_the_copies_are_caught_up_in_the_background(engine):
     assert h2.pages_copied == h0.pages_copied  # the same pages move, at different times
     assert h2.pages_at_handoff < h0.pages_at_handoff, (h2.pages_at_handoff, h0.pages_at_handoff)
     assert h2.pages_at_handoff <= 2 * (N - 1)  # at most the two partial pages, to every other device
+
+
+def test_a_plan_whose_request_was_preempted_and_admitted_again_is_dropped(engine):
+    """A planned request preempted (its source pages freed) and admitted again within one
+    schedule() kept a plan naming pages that may now be another request's; the handoff then gave
+    it those pages (pages_used went negative). Its plan is dropped at the next check and made anew."""
+    reference, _ = _decode_through_switch(engine, "dop", None, 2)
+    _settle_in(engine, "dop")
+    rng = np.random.default_rng(11)
+    ids = [engine.add_request(rng.integers(0, 200, 64).tolist(), SamplingParams(max_tokens=40)) for _ in range(2)]
+    acc = {}
+    while not all(engine._requests[i].num_computed > 64 for i in ids):
+        accumulate(acc, engine.step())
+    handle = engine.switch_layout("tp")
+    plan = engine.switcher.active[1]
+    victim = engine._requests[ids[1]]
+    old = plan.requests[victim.request_id]
+    accumulate(acc, engine.flush())  # nothing in flight: the victim's tokens so far are applied
+    schedule = engine.scheduler.schedule
+
+    def preempt_then_schedule():  # as page pressure inside one schedule() call does
+        engine.scheduler.schedule = schedule
+        engine.scheduler.preempt(victim)
+        return schedule()  # admits it again: it is first in the queue
+
+    engine.scheduler.schedule = preempt_then_schedule
+    accumulate(acc, engine.step())
+    assert victim in engine.scheduler.running and old.stale
+    accumulate(acc, engine.step())  # the next boundary's check drops it (copies into its reserved pages are harmless)
+    assert plan.requests.get(victim.request_id) is not old
+    while engine.has_work():
+        accumulate(acc, engine.step())
+    assert handle.state == SwitchState.DONE
+    assert [acc[i].token_ids for i in ids] == reference
+    assert engine.stats()["pages_used"] == 0
