@@ -66,10 +66,6 @@ class TransitionPlan:
     pages_freed: int = 0  # source pages the destination did not keep (known at handoff)
 
     @property
-    def copies(self) -> list[tuple[int, int]]:
-        return [c for p in self.requests.values() for c in p.copies]
-
-    @property
     def num_copies(self) -> int:
         return sum(len(p.copies) for p in self.requests.values())
 
