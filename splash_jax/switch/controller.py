@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import itertools
 import logging
 import time
 from collections import Counter
@@ -31,7 +30,10 @@ from jax.sharding import NamedSharding
 
 from splash_jax.kv.allocator import OutOfPages, pages_for_tokens
 from splash_jax.mesh.layouts import POOL_SPEC, Layout, get_layout
-from splash_jax.switch.migration import PageChunk, PageMover, WeightResharder, chunk_buffer, drop_extra_segment, pack_chunks
+from splash_jax.switch.migration import (
+    PageChunk, PageMover, WeightResharder, chunk_buffer, drop_extra_segment, locate_copies, move_sentinel, pack_located,
+)
+from splash_jax.switch.copy_queue import PairQueues
 from splash_jax.switch.planner import (
     SwitchRefused,
     TransitionPlan,
@@ -108,8 +110,7 @@ class SwitchController:
     def __init__(self, engine, chunk_pages: int = 8):
         self.engine = engine
         self.chunk_pages = chunk_pages
-        self._cursor: dict[str, int] = {}
-        self._pairs: dict[str, np.ndarray] = {}  # per request: device pair (src * N + dst) of each copy
+        self._reset_queue()
         self.handoff_chunk_pages = self._handoff_chunk_pages()  # the handoff mover's compiled K
         ex = engine.executor
         layouts = [get_layout(n) for n in ("dp", "tp")]  # one without and one with the extra segment
@@ -196,8 +197,8 @@ class SwitchController:
             return self._refuse(handle, f"not enough free pages to stage the switch: {e}")
         handle.pages_planned = plan.num_copies
         handle.plan = plan.summary()
-        self._cursor = {rid: 0 for rid in plan.requests}
-        self._pairs = {}
+        self._reset_queue()
+        self._enqueue(plan)  # located now, so the first moving step only slices
         self.active = (handle, plan)
         log.info("switch %s -> %s started: %s", src.name, dst.name, handle.plan)
         return handle
@@ -280,13 +281,13 @@ class SwitchController:
         handle, plan = self.active
         if handle._cancel:
             return None
-        copies = self._take(plan)
-        if not copies:
+        located = self._take(plan)
+        if located.shape[1] == 0:
             return None
-        (chunk,) = pack_chunks(copies, self.engine.allocator, self.chunk_pages)
+        (chunk,) = pack_located(located, self.engine.n, self.chunk_pages, move_sentinel(self.engine.allocator))
         handle.steps_overlapped += 1
-        handle.pages_copied += len(copies)
-        handle.bytes_moved += len(copies) * self.engine.page_bytes
+        handle.pages_copied += chunk.count
+        handle.bytes_moved += chunk.count * self.engine.page_bytes
         return chunk_buffer(chunk)
 
     def empty_moves(self) -> np.ndarray:
@@ -294,10 +295,9 @@ class SwitchController:
         return chunk_buffer(self._empty_chunk(self.chunk_pages))
 
     def _empty_chunk(self, k: int) -> PageChunk:
-        alloc, n = self.engine.allocator, self.engine.n
-        sentinel = alloc.pages_per_device + alloc.extra_per_device + 1
+        n = self.engine.n
         zeros = np.zeros((n, n, k), np.int32)
-        return PageChunk(zeros, zeros, np.full((n, n, k), sentinel, np.int32), zeros, 0)
+        return PageChunk(zeros, zeros, np.full((n, n, k), move_sentinel(self.engine.allocator), np.int32), zeros, 0)
 
     def run_mover_once(self) -> None:
         """Run the handoff mover of the current pool structure on a chunk that copies nothing (at
@@ -309,63 +309,59 @@ class SwitchController:
         ex.apply_to_pool(lambda kv: mover(kv, chunk))
 
     # --- internals ---------------------------------------------------------------------------------
-    def _pending(self, plan: TransitionPlan) -> list[tuple[str, tuple[int, int]]]:
-        return [(rid, c) for rid, p in plan.requests.items() for c in p.copies[self._cursor[rid]:]]
-
     def _has_pending(self, plan: TransitionPlan) -> bool:
-        return any(self._cursor[rid] < len(p.copies) for rid, p in plan.requests.items())
+        return len(self._queue) > 0 or any(self._queued.get(rid, 0) != len(p.copies) for rid, p in plan.requests.items())
 
-    def _locate_pairs(self, plan: TransitionPlan) -> None:
-        """The device pair (source * N + destination) of every copy not yet located, all requests
-        in one vectorized pass, kept as arrays (per request into Python lists it took 2.0 ms for
-        4 K copies on the CPU mesh's host, 1.5 ms now; the first migration step's larger extra
-        dispatch time on the H200 host, 6-10 ms, is not this)."""
-        todo = [(rid, p) for rid, p in plan.requests.items() if len(self._pairs.get(rid, ())) != len(p.copies)]
-        if not todo:
-            return
-        ids = np.fromiter(itertools.chain.from_iterable(c for _, p in todo for c in p.copies), np.int64)
-        locate = self.engine.allocator.locate
-        pair = locate(ids[0::2])[0] * self.engine.n + locate(ids[1::2])[0]
-        ends = np.cumsum([len(p.copies) for _, p in todo])
-        for (rid, _), located in zip(todo, np.split(pair, ends[:-1])):
-            self._pairs[rid] = located
-
-    def _take(self, plan: TransitionPlan) -> list[tuple[int, int]]:
-        """The next copies, at most chunk_pages per device pair, advancing each request's cursor."""
-        k = self.chunk_pages
-        self._locate_pairs(plan)
-        per_pair = [0] * (self.engine.n * self.engine.n)
-        taken = []
+    def _enqueue(self, plan: TransitionPlan) -> None:
+        """Queue every copy planned since the last call, located (one vectorized locate for all
+        requests), in admission order within each device pair."""
+        new, codes = [], []
         for rid, p in plan.requests.items():
-            cur, end = self._cursor[rid], len(p.copies)
-            if cur >= end:
+            have = self._queued.get(rid, 0)
+            if have == len(p.copies):
                 continue
-            pairs = self._pairs[rid]
-            while cur < end:
-                pair = int(pairs[cur])
-                if per_pair[pair] >= k:
-                    break
-                per_pair[pair] += 1
-                cur += 1
-            taken += p.copies[self._cursor[rid]:cur]
-            self._cursor[rid] = cur
-        return taken
+            if rid not in self._codes:
+                self._codes[rid] = self._next_code
+                self._next_code += 1
+            new += p.copies[have:]
+            codes.append(np.full(len(p.copies) - have, self._codes[rid], np.int64))
+            self._queued[rid] = len(p.copies)
+        if new:
+            self._queue.add(locate_copies(new, self.engine.allocator), np.concatenate(codes))
+
+    def _take(self, plan: TransitionPlan) -> np.ndarray:
+        """The next copies ([6, M] located): the first chunk_pages waiting for each device pair."""
+        self._enqueue(plan)
+        return self._queue.take(self.chunk_pages)
 
     def _copy(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
         """Run every pending copy now with the standalone mover (handoff: the last few pages)."""
-        pending = self._pending(plan)
-        if not pending:
+        self._enqueue(plan)
+        pending = self._queue.take()
+        if pending.shape[1] == 0:
             return
         engine = self.engine
         ex = engine.executor
         mover = self.movers[ex.kv_abstract(ex.layout).num_segments]
-        for chunk in pack_chunks([c for _, c in pending], engine.allocator, self.handoff_chunk_pages):
+        for chunk in pack_located(pending, engine.n, self.handoff_chunk_pages, move_sentinel(engine.allocator)):
             ex.apply_to_pool(lambda kv, chunk=chunk: mover(kv, chunk))
-        for rid, _ in pending:
-            self._cursor[rid] += 1
-        handle.pages_copied += len(pending)
-        handle.pages_at_handoff += len(pending)
-        handle.bytes_moved += len(pending) * engine.page_bytes
+        moved = pending.shape[1]
+        handle.pages_copied += moved
+        handle.pages_at_handoff += moved
+        handle.bytes_moved += moved * engine.page_bytes
+
+    def _reset_queue(self) -> None:
+        self._queue = PairQueues(self.engine.n)  # planned copies not yet run, per device pair
+        self._queued: dict[str, int] = {}  # per planned request: how many of its copies were queued
+        self._codes: dict[str, int] = {}  # per planned request: its code in the queues
+        self._next_code = 0
+
+    def _forget(self, rid: str) -> None:
+        """Drop a request's queued copies (it is no longer planned)."""
+        self._queued.pop(rid, None)
+        code = self._codes.pop(rid, None)
+        if code is not None:
+            self._queue.drop(code)
 
     def _drop_stale(self, plan: TransitionPlan) -> None:
         """Requests that finished or were preempted since planning (even if admitted again: their
@@ -373,13 +369,13 @@ class SwitchController:
         running = {r.request_id for r in self.engine.scheduler.running}
         for rid in [rid for rid, p in plan.requests.items() if rid not in running or p.stale]:
             self.engine.allocator.free(plan.requests.pop(rid).reserved)
-            self._cursor.pop(rid, None)
-            self._pairs.pop(rid, None)
+            self._forget(rid)
 
     def _release(self, plan: TransitionPlan) -> None:
         for p in plan.requests.values():
             self.engine.allocator.free(p.reserved)
         plan.requests.clear()
+        self._reset_queue()
 
     def _handoff(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
         engine, t0 = self.engine, time.perf_counter()
@@ -460,7 +456,6 @@ class SwitchController:
                         r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owner,
                         upto_tokens=upto, existing=existing,
                     )
-                    self._cursor.setdefault(r.request_id, 0)
                     if existing is None:
                         load[owner] += self._pages_of(r)
                     break
@@ -471,6 +466,7 @@ class SwitchController:
                     victim = max(sched.running, key=lambda q: q.order)
                     if victim.request_id in plan.requests:
                         engine.allocator.free(plan.requests.pop(victim.request_id).reserved)
+                        self._forget(victim.request_id)
                     sched.preempt(victim)
                     preempted.append(victim.request_id)
                     if victim is r:

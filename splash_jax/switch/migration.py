@@ -12,6 +12,7 @@ are the targets; the sources are deleted after it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 
 import jax
@@ -37,35 +38,53 @@ class PageChunk:
     count: int  # pages in this chunk
 
 
-def pack_chunks(copies: list[tuple[int, int]], allocator: PageAllocator, k: int) -> list[PageChunk]:
-    """Split (source page, destination page) copies into chunks of <= k pages per device pair."""
-    n = allocator.num_devices
-    sentinel = allocator.pages_per_device + allocator.extra_per_device + 1
-    if not copies:
+def locate_copies(copies, allocator: PageAllocator) -> np.ndarray:
+    """(source page, destination page) copies -> [6, M] int64 rows: source device, segment, local
+    id, then destination device, segment, local id (the allocator's locate of both ends)."""
+    ids = np.fromiter(itertools.chain.from_iterable(copies), np.int64, count=2 * len(copies)).reshape(-1, 2)
+    return np.concatenate([np.stack(allocator.locate(ids[:, 0])), np.stack(allocator.locate(ids[:, 1]))])
+
+
+def rank_within_groups(keys: np.ndarray) -> np.ndarray:
+    """For each element, how many earlier elements have the same key (0, 1, 2, ... per key)."""
+    m = len(keys)
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    positions = np.arange(m)
+    group_start = np.zeros(m, np.int64)  # position in sorted order where each element's key starts
+    if m > 1:
+        starts = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
+        group_start[starts] = starts
+        np.maximum.accumulate(group_start, out=group_start)
+    rank = np.empty(m, np.int64)
+    rank[order] = positions - group_start
+    return rank
+
+
+def pack_located(located: np.ndarray, num_devices: int, k: int, sentinel: int) -> list[PageChunk]:
+    """Located copies ([6, M], see locate_copies) -> chunks of <= k pages per device pair, in
+    order: the i-th copy of a pair goes to chunk i // k, slot i % k. Vectorized (no per-copy
+    Python: at 8 devices and 64 pages per pair the per-copy loop took ~5 ms per step)."""
+    if located.shape[1] == 0:
         return []
-    src, dst = np.array([c[0] for c in copies]), np.array([c[1] for c in copies])
-    sd, ss, sl = allocator.locate(src)
-    dd, ds, dl = allocator.locate(dst)
-    slots: dict[tuple[int, int], int] = {}
-    chunk_of = np.zeros(len(copies), np.int64)
-    slot_of = np.zeros(len(copies), np.int64)
-    for i, pair in enumerate(zip(sd.tolist(), dd.tolist())):
-        c = slots.get(pair, 0)
-        slots[pair] = c + 1
-        chunk_of[i], slot_of[i] = c // k, c % k
-    chunks = []
-    for c in range(int(chunk_of.max()) + 1):
-        send_ids = np.zeros((n, n, k), np.int32)
-        send_seg = np.zeros((n, n, k), np.int32)
-        recv_ids = np.full((n, n, k), sentinel, np.int32)
-        recv_seg = np.zeros((n, n, k), np.int32)
-        sel = np.nonzero(chunk_of == c)[0]
-        for i in sel:
-            a, b, s = sd[i], dd[i], slot_of[i]
-            send_ids[a, b, s], send_seg[a, b, s] = sl[i], ss[i]
-            recv_ids[b, a, s], recv_seg[b, a, s] = dl[i], ds[i]
-        chunks.append(PageChunk(send_ids, send_seg, recv_ids, recv_seg, len(sel)))
-    return chunks
+    n = num_devices
+    sd, ss, sl, dd, ds, dl = located
+    rank = rank_within_groups(sd * n + dd)
+    chunk, slot = rank // k, rank % k
+    c = int(chunk.max()) + 1
+    send_ids = np.zeros((c, n, n, k), np.int32)
+    send_seg = np.zeros((c, n, n, k), np.int32)
+    recv_ids = np.full((c, n, n, k), sentinel, np.int32)
+    recv_seg = np.zeros((c, n, n, k), np.int32)
+    send_ids[chunk, sd, dd, slot], send_seg[chunk, sd, dd, slot] = sl, ss
+    recv_ids[chunk, dd, sd, slot], recv_seg[chunk, dd, sd, slot] = dl, ds
+    counts = np.bincount(chunk, minlength=c)
+    return [PageChunk(send_ids[i], send_seg[i], recv_ids[i], recv_seg[i], int(counts[i])) for i in range(c)]
+
+
+def move_sentinel(allocator: PageAllocator) -> int:
+    """A receive id past both pool segments: the scatter drops it."""
+    return allocator.pages_per_device + allocator.extra_per_device + 1
 
 
 MOVE_FIELDS = ("send_ids", "send_seg", "recv_ids", "recv_seg")

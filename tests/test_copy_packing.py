@@ -1,0 +1,98 @@
+"""The switch's copy queue and chunk packer against a plain per-copy reference (no devices)."""
+
+import numpy as np
+import pytest
+
+from splash_jax.kv.allocator import PageAllocator
+from splash_jax.switch.copy_queue import PairQueues
+from splash_jax.switch.migration import locate_copies, move_sentinel, pack_located, rank_within_groups
+
+
+def random_copies(rng, alloc: PageAllocator, count: int) -> list[tuple[int, int]]:
+    n = alloc.num_devices
+    out = []
+    for _ in range(count):
+        a, b = int(rng.integers(n)), int(rng.integers(n))
+        src = alloc.allocate(1, a)[0]
+        dst = alloc.allocate(1, b)[0] if rng.random() < 0.7 else alloc.allocate_base(b)
+        out.append((src, dst))
+    return out
+
+
+def reference_pack(copies, alloc: PageAllocator, k: int):
+    """One copy at a time: the i-th copy of a device pair lands in chunk i // k, slot i % k."""
+    n, sentinel = alloc.num_devices, move_sentinel(alloc)
+    seen: dict[tuple[int, int], int] = {}
+    chunks: dict[int, list[np.ndarray]] = {}
+    for src, dst in copies:
+        (sd,), (ss,), (sl,) = alloc.locate([src])
+        (dd,), (ds,), (dl,) = alloc.locate([dst])
+        i = seen.get((sd, dd), 0)
+        seen[(sd, dd)] = i + 1
+        c, s = divmod(i, k)
+        arrays = chunks.setdefault(c, [np.zeros((n, n, k), np.int32), np.zeros((n, n, k), np.int32),
+                                       np.full((n, n, k), sentinel, np.int32), np.zeros((n, n, k), np.int32)])
+        arrays[0][sd, dd, s], arrays[1][sd, dd, s] = sl, ss
+        arrays[2][dd, sd, s], arrays[3][dd, sd, s] = dl, ds
+    return [chunks[c] for c in sorted(chunks)]
+
+
+@pytest.mark.parametrize("n,k,count", [(1, 4, 9), (2, 1, 17), (2, 64, 300), (4, 3, 120), (8, 16, 700)])
+def test_packed_chunks_equal_the_per_copy_reference(n, k, count):
+    rng = np.random.default_rng(n * 1000 + k)
+    alloc = PageAllocator(n, 2000, 16, extra_pages_per_device=300)  # both segments in use
+    copies = random_copies(rng, alloc, count)
+    got = pack_located(locate_copies(copies, alloc), n, k, move_sentinel(alloc))
+    want = reference_pack(copies, alloc, k)
+    assert len(got) == len(want)
+    for chunk, ref in zip(got, want):
+        for field, arr in zip(("send_ids", "send_seg", "recv_ids", "recv_seg"), ref):
+            np.testing.assert_array_equal(getattr(chunk, field), arr, err_msg=field)
+    assert sum(c.count for c in got) == count
+
+
+def test_rank_within_groups_counts_earlier_equal_keys():
+    keys = np.random.default_rng(0).integers(0, 5, 200)
+    want = [int((keys[:i] == keys[i]).sum()) for i in range(len(keys))]
+    np.testing.assert_array_equal(rank_within_groups(keys), want)
+    assert rank_within_groups(np.zeros(0, np.int64)).shape == (0,)
+
+
+def test_pair_queues_take_at_most_k_per_pair_in_order_and_every_copy_once():
+    n, k = 4, 5
+    rng = np.random.default_rng(1)
+    alloc = PageAllocator(n, 1000, 16)
+    q = PairQueues(n)
+    copies = random_copies(rng, alloc, 150)
+    located = locate_copies(copies, alloc)
+    codes = rng.integers(0, 10, len(copies))
+    q.add(located[:, :100], codes[:100])
+    q.add(located[:, 100:], codes[100:])  # a later planning round queues behind the first
+    assert len(q) == 150
+    dropped = q.drop(3)
+    keep = codes != 3
+    assert dropped == int((~keep).sum()) and len(q) == int(keep.sum())
+    taken = []
+    while len(q):
+        step = q.take(k)
+        pair = step[0] * n + step[3]
+        assert np.bincount(pair, minlength=n * n).max() <= k
+        taken.append(step)
+    assert q.take(k).shape == (6, 0)
+    got = np.concatenate(taken, axis=1)
+    want = located[:, keep]
+    # Every remaining copy exactly once, and within each device pair in the order queued.
+    for p in range(n * n):
+        np.testing.assert_array_equal(got[:, got[0] * n + got[3] == p], want[:, want[0] * n + want[3] == p])
+
+
+def test_take_all_empties_the_queues():
+    alloc = PageAllocator(2, 100, 16)
+    q = PairQueues(2)
+    located = locate_copies(random_copies(np.random.default_rng(2), alloc, 30), alloc)
+    q.add(located, np.zeros(30, np.int64))
+    first = q.take(2)
+    per_pair = np.bincount(located[0] * 2 + located[3], minlength=4)
+    assert first.shape[1] == np.minimum(per_pair, 2).sum()
+    assert q.take().shape[1] == 30 - first.shape[1]
+    assert len(q) == 0
