@@ -116,6 +116,7 @@ def main(argv=None):
         base_src = float(np.median(base_src))
         t0 = time.perf_counter()
         handle = engine.switch_layout(dst)
+        start_ms = (time.perf_counter() - t0) * 1e3  # planning, between two steps (a step is in flight)
         during, during_phases = [], []
         while not handle.done:
             during.append(timed_step(engine))
@@ -137,7 +138,7 @@ def main(argv=None):
             "pair": f"{src}->{dst}", "state": info["state"], "cache_MB": info["bytes_moved"] / 1e6,
             "weights_MB": info["plan"].get("weight_bytes_gathered", 0) / 1e6,
             "pages_copied": info["pages_copied"], "pages_reused": info["plan"].get("pages_reused"),
-            "wall_ms": wall * 1e3, "steps": len(during), "handoff_ms": info["handoff_s"] * 1e3,
+            "wall_ms": wall * 1e3, "steps": len(during), "start_ms": start_ms, "handoff_ms": info["handoff_s"] * 1e3,
             "base_src_ms": base_src * 1e3, "base_dst_ms": base_dst * 1e3,
             "overhead_median": float(np.median(overheads)) if overheads else None,
             "overhead_p99": float(np.percentile(overheads, 99)) if overheads else None,
@@ -150,7 +151,7 @@ def main(argv=None):
             "copy_of_link": info["bytes_moved"] / copy_s / link if copy_s and link and info["bytes_moved"] else None,
             "handoff_phases_ms": info["handoff_phases_ms"], "handoff_step_ms": handoff_step * 1e3 if handoff_step else None,
             # where the handoff step's wall time went (engine.last_step_ms) against the source's
-            # steps (median per phase): the switch phase holds the handoff; wait is device time
+            # steps (median per phase): the handoff phase holds the handoff; wait is device time
             "handoff_step_phases_ms": handoff_phases,
             "base_step_phases_ms": {k: float(np.median([p[k] for p in base_phases])) for k in base_phases[0]},
         })
@@ -169,7 +170,7 @@ def main(argv=None):
         "link_GBps": link / 1e9 if link else None,
         "compiled_programs": engine.executor.num_compiled,
     }
-    print(table(rows, ["pair", "state", "cache_MB", "weights_MB", "pages_copied", "wall_ms", "steps", "handoff_ms",
+    print(table(rows, ["pair", "state", "cache_MB", "weights_MB", "pages_copied", "wall_ms", "steps", "start_ms", "handoff_ms",
                        "base_src_ms", "base_dst_ms", "overhead_median", "overhead_p99", "handoff_step_x", "handoff_window_x",
                        "copy_GBps", "copy_of_link"]))
     print(f"summary: {summary}")

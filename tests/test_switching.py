@@ -152,6 +152,50 @@ def test_memory_returns_to_destination_steady_state(src, dst):
     assert _live_bytes(dev) - before == steady
 
 
+def test_a_cancelled_switch_frees_the_weights_it_resharded_at_its_start():
+    """DP -> TP reshards the attention weights at the start (the CPU backend reports no memory
+    limit, so there is room); a cancel deletes them: live device memory is as before the switch."""
+    dev = jax.devices()[0]
+    eng = Engine(EngineConfig(layout="dp", enable_switching=True, **dict(KW, warmup=False)))
+    eng.generate(PROMPTS[:3], SamplingParams(max_tokens=4))
+    # Reading an array's shards makes per-shard arrays that later jax.live_arrays() calls list too:
+    # count once to make them, then count.
+    _live_bytes(dev)
+    before = _live_bytes(dev)
+    h = eng.switch_layout("tp")
+    _live_bytes(dev)
+    assert h.weights_early and _live_bytes(dev) > before
+    h.cancel()
+    eng.step()
+    assert h.state == SwitchState.CANCELLED and eng.layout.name == "dp"
+    _live_bytes(dev)
+    assert _live_bytes(dev) == before
+
+
+def test_source_pages_the_destination_drops_are_freed_at_the_next_boundary(engine):
+    """TP -> CP keeps one of TP's N replicas of each page. The handoff leaves freeing the others
+    to the next batch boundary (the pool has room); then the pages in use are exactly the pages
+    the running requests hold."""
+    _settle_in(engine, "tp")
+    for p in PROMPTS[:3]:
+        engine.add_request(p, SamplingParams(max_tokens=30))
+    for _ in range(4):
+        engine.step()
+    held = lambda: sum(len(p) for r in engine.scheduler.running for p in r.device_pages)  # noqa: E731
+    h = engine.switch_layout("cp")
+    engine.step()
+    assert h.state == SwitchState.DONE and h.plan["pages_freed"] is None and engine.has_work()
+    pending = engine.stats()["pages_used"] - held()
+    assert pending > 0
+    engine.step()
+    assert h.plan["pages_freed"] == pending and engine.stats()["pages_used"] == held()
+    for rid in list(engine._requests):
+        engine.abort(rid)
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["pages_used"] == 0
+
+
 def test_refused_when_destination_cannot_hold_requests_then_preempt(engine):
     acc = {}
     if engine.layout.name != "dop":
@@ -355,8 +399,6 @@ def test_owners_chosen_for_an_owner_layout_fit_each_device():
 def test_pages_freed_at_handoff_are_the_sources_the_destination_does_not_keep():
     """The handoff frees every request's pages at once; the definition, request by request: the
     source pages not among its destination pages."""
-    import types
-
     from splash_jax.switch.planner import pages_to_free
 
     rng = np.random.default_rng(0)
@@ -367,7 +409,7 @@ def test_pages_freed_at_handoff_are_the_sources_the_destination_does_not_keep():
         kept = [p for p in src[0] + src[1] if rng.random() < 0.5]
         dst = [kept[::2], kept[1::2] + ids[k + 9:k + 11].tolist()]  # reused pages plus new ones
         k += 11
-        plans.append(types.SimpleNamespace(request=types.SimpleNamespace(device_pages=src), dst_pages=dst))
+        plans.append((src, dst))
         want += [p for p in src[0] + src[1] if p not in set(dst[0] + dst[1])]
     assert sorted(pages_to_free(plans, 400).tolist()) == sorted(want)
 

@@ -81,7 +81,8 @@ class Follower:
 
     def _reshard(self, cmd: Command) -> None:
         xs = [self.ex.params[i] for i in cmd.fields["leaves"]]
-        self.outputs.extend(self.engine.switcher.resharder(xs, [spec_from_json(s) for s in cmd.fields["specs"]]))
+        specs = [spec_from_json(s) for s in cmd.fields["specs"]]
+        self.outputs.extend(self.engine.switcher.resharder(xs, specs, cmd.fields.get("delete_sources", True)))
 
     def _make_extra(self, cmd: Command) -> None:
         self.outputs.extend(jax.tree.leaves(self.engine.switcher._make_extra()))
@@ -95,6 +96,9 @@ class Follower:
             return self.outputs[i] if kind == "out" else current[i]
 
         params = [resolve(r, self.ex.params) for r in cmd.fields["params"]]
+        for old, new in zip(self.ex.params, params):
+            if old is not new and not old.is_deleted():
+                old.delete()  # kept by a reshard at the switch's start for the source layout's steps
         leaves = [resolve(r, pool) for r in cmd.fields["kv"]]
         structure = jax.tree.structure(self.ex.kv_abstract(layout))
         if structure.num_leaves != len(leaves):

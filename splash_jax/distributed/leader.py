@@ -160,10 +160,11 @@ class RecordedResharder:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def __call__(self, xs, dst_specs):
+    def __call__(self, xs, dst_specs, delete_sources: bool = True):
         leaves = [self._ex.leaf_index(x) for x in xs]
-        self._ex._channel.send(Command("reshard", {"leaves": leaves, "specs": [spec_to_json(s) for s in dst_specs]}))
-        outs = self._inner(xs, dst_specs)
+        specs = [spec_to_json(s) for s in dst_specs]
+        self._ex._channel.send(Command("reshard", {"leaves": leaves, "specs": specs, "delete_sources": delete_sources}))
+        outs = self._inner(xs, dst_specs, delete_sources)
         self._ex._outputs.add(outs)
         return outs
 

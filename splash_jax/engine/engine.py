@@ -183,9 +183,10 @@ class Engine:
         self._failed: list[RequestOutput] = []
         self.num_steps = 0
         self.num_step_failures = 0
-        # Host time of the last step() by phase, ms (switch: policy and cancels; handoff: a
-        # switch's batch-boundary handoff; wait: blocked on the device for the completed step's
-        # tokens). Cheap enough to keep always; benchmarks/switching.py reports it per step.
+        # Host time of the last step() by phase, ms (switch: a switch's stale plans and cancels;
+        # handoff: the batch boundary after dispatch: a handoff, its deferred frees, the policy;
+        # wait: blocked on the device for the completed step's tokens). Cheap enough to keep
+        # always; benchmarks/switching.py reports it per step.
         self.last_step_ms: dict[str, float] = {}
         self._last_wait_s = 0.0
         if config.resolved_warmup_runs(backend):  # every process runs it itself, before mirroring starts
@@ -242,7 +243,8 @@ class Engine:
 
     def has_work(self) -> bool:
         inflight = self._inflight is not None and any(not c.request.is_finished for c in self._inflight.chunks)
-        return self.scheduler.has_work() or inflight or bool(self._failed) or bool(self.switcher and self.switcher.active)
+        switching = self.switcher is not None and (self.switcher.active is not None or self.switcher.has_deferred_work)
+        return self.scheduler.has_work() or inflight or bool(self._failed) or switching
 
     # --- one step ------------------------------------------------------------------------
     def run_every_program_once(self, full_sampler: bool = True) -> int:
@@ -310,12 +312,6 @@ class Engine:
         outputs = []
         if self.switcher is not None:
             self.switcher.before_step()  # drop finished requests' reservations; cancel
-            if self.policy and self.switcher.active is None and self.policy.due(self.num_steps):
-                dst = self.policy.decide(self.num_steps)
-                if dst is not None:
-                    handle = self.switcher.start(dst)
-                    if handle.state.value == "refused":
-                        self.policy.switch_refused(handle.reason)
         t1 = time.perf_counter()
         chunks = self.scheduler.schedule().chunks
         t2 = time.perf_counter()
@@ -324,8 +320,9 @@ class Engine:
         if self.switcher is not None:
             # Batch boundary: a finished migration hands off here, after this step (still in the
             # source layout) is queued, so its host work runs while the device computes; the
-            # next step is the destination's first.
+            # next step is the destination's first. The policy looks here too, for the same reason.
             self.switcher.hand_off_if_ready()
+            self._consult_policy()
         t3h = time.perf_counter()
         if self.config.overlap_scheduling:
             done, self._inflight = self._inflight, dispatched
@@ -341,6 +338,15 @@ class Engine:
                              "complete": (t4 - t3h - self._last_wait_s) * 1e3}
         self.timeline.host_time(time.thread_time() - cpu0)
         return outputs + self._failed_now()
+
+    def _consult_policy(self) -> None:
+        """Let the layout policy start a switch (none in progress, its interval or an arrival due)."""
+        if self.policy and self.switcher.active is None and self.policy.due(self.num_steps):
+            dst = self.policy.decide(self.num_steps)
+            if dst is not None:
+                handle = self.switcher.start(dst)
+                if handle.state.value == "refused":
+                    self.policy.switch_refused(handle.reason)
 
     def flush(self) -> list[RequestOutput]:
         """Read back the step in flight (if any) and return its outputs; nothing new is dispatched."""
@@ -460,6 +466,8 @@ class Engine:
                 self._fail(c.request, f"the engine step failed twice with this request in it: {type(error).__name__}: {error}")
         for request in list(self.scheduler.running):
             self.scheduler.preempt(request)
+        if self.switcher is not None and self.switcher.active is not None:
+            self.switcher.active[0].cancel()  # its plans name pages of the lost pool: start again if wanted
         for request in self.scheduler.waiting:
             request.num_pending, request.pending_row = 0, -1  # tokens of the lost steps are sampled again
         self._slot_request = [None] * len(self._slot_request)

@@ -14,6 +14,8 @@ positions in (d, g), and its latent goes to local_of (or is dropped when not hel
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from splash_jax.kv.allocator import PageAllocator
@@ -83,7 +85,7 @@ class PageTables:
             total = int(lens.sum())
             if total == 0:
                 continue
-            pages = np.concatenate([np.asarray(request[d], np.int64) for request in device_pages])
+            pages = np.fromiter(itertools.chain.from_iterable(request[d] for request in device_pages), np.int64, count=total)
             slot_of = np.repeat(sl, lens)
             entry = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)  # k within its request
             js = np.asarray(placement.page_index(d, entry, self.n))

@@ -68,6 +68,7 @@ class SwitchHandle:
     pages_copied: int = 0
     pages_at_handoff: int = 0  # copies the handoff itself ran (the rest rode inside steps)
     catch_ups: int = 0  # background rounds for pages filled during the copies
+    weights_early: bool = False  # the changed weight leaves were resharded at the start, not the handoff
     bytes_moved: int = 0
     steps_overlapped: int = 0
     handoff_s: float = 0.0
@@ -98,7 +99,7 @@ class SwitchHandle:
         return {
             "src": self.src, "dst": self.dst, "state": self.state.value, "reason": self.reason,
             "progress": self.progress, "pages_copied": self.pages_copied, "pages_at_handoff": self.pages_at_handoff,
-            "catch_ups": self.catch_ups, "bytes_moved": self.bytes_moved,
+            "catch_ups": self.catch_ups, "weights_early": self.weights_early, "bytes_moved": self.bytes_moved,
             "steps_overlapped": self.steps_overlapped, "duration_s": self.duration_s, "handoff_s": self.handoff_s,
             "handoff_phases_ms": dict(self.handoff_phases_ms), "preempted": list(self.preempted), "plan": self.plan,
         }
@@ -127,6 +128,12 @@ class SwitchController:
         log.info("compiled %d migration programs in %.1fs (%d from the persistent cache)",
                  rec["programs"], rec["seconds"], rec["cache_hits"])
         self.active: tuple[SwitchHandle, TransitionPlan] | None = None
+        # The last handoff's source pages the destination did not keep, freed one batch boundary
+        # later (see _free_later): (handle, old page lists, new page lists).
+        self._to_free: tuple[SwitchHandle, list] | None = None
+        # The params as the destination places them, resharded at the switch's start when memory
+        # allows (the sources stay until the handoff); None: resharded at the handoff.
+        self._prepared: list | None = None
         self.max_catch_ups = 2  # background rounds for pages filled during the copies (see _catch_up)
         self.history: list[SwitchHandle] = []
 
@@ -164,6 +171,7 @@ class SwitchController:
         if dst.name == src.name:
             handle.state, handle.finished = SwitchState.DONE, time.perf_counter()
             return handle
+        self.free_deferred()
         sched = engine.scheduler
         dst_pages = self._pages_per_device(dst)
         load: Counter = Counter()  # pages given to each device so far
@@ -199,6 +207,8 @@ class SwitchController:
         handle.plan = plan.summary()
         self._reset_queue()
         self._enqueue(plan)  # located now, so the first moving step only slices
+        self._prepared = self._resharded_weights(dst, keep_sources=True) if self._room_for_both_weights(plan) else None
+        handle.weights_early = self._prepared is not None
         self.active = (handle, plan)
         log.info("switch %s -> %s started: %s", src.name, dst.name, handle.plan)
         return handle
@@ -245,10 +255,16 @@ class SwitchController:
             self._release(plan)
             self._finish(handle, SwitchState.CANCELLED)
 
+    @property
+    def has_deferred_work(self) -> bool:
+        return self._to_free is not None
+
     def hand_off_if_ready(self) -> None:
         """After a step is dispatched (the batch boundary): hand off once the background copies
-        are done. The step just queued runs in the source layout while this host work runs."""
+        are done. The step just queued runs in the source layout while this host work runs. The
+        boundary after a handoff frees the source pages it did not keep."""
         if self.active is None:
+            self.free_deferred()
             return
         handle, plan = self.active
         if handle._cancel or self._has_pending(plan):
@@ -375,6 +391,11 @@ class SwitchController:
         for p in plan.requests.values():
             self.engine.allocator.free(p.reserved)
         plan.requests.clear()
+        if self._prepared is not None:  # resharded weights the cancelled switch no longer needs
+            for new, current in zip(self._prepared, self.engine.executor.params):
+                if new is not current:
+                    new.delete()
+            self._prepared = None
         self._reset_queue()
 
     def _handoff(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
@@ -399,18 +420,25 @@ class SwitchController:
         phase("extend_plans")
         self._copy(handle, plan)
         phase("copy_last_pages")
-        # 2. Page tables and owners change; pages the destination does not keep are freed.
+        # 2. Page tables and owners change; pages the destination does not keep are freed, at
+        #    the next boundary when the pool has room (see _free_later).
         sched.set_placement(dst.kv_placement)
-        to_free = pages_to_free(plan.requests.values(), engine.allocator.num_pages)
-        plan.pages_freed = len(to_free)
-        engine.allocator.free(to_free)
+        old_pages = [(p.request.device_pages, p.dst_pages) for p in plan.requests.values()]
+        later = self._free_later(plan)
+        if not later:
+            plan.pages_freed = self._free_pages(old_pages)
         ex = engine.executor
         phase("free_pages")
         # 3. Pool segment and weights, in the order that never needs both memories at once.
         if plan.extra_segment == "remove":
             engine.allocator.remove_extra_segment()
             ex.apply_to_pool(drop_extra_segment)
-        params = self._resharded_weights(dst)
+        params, early = (self._prepared, True) if self._prepared is not None else (self._resharded_weights(dst), False)
+        self._prepared = None
+        if early:  # the sources the source layout's steps read until now (freed once those are done)
+            for old, new in zip(ex.params, params):
+                if old is not new:
+                    old.delete()
         kv = ex.pool
         if plan.extra_segment == "add" and self._make_extra is not None:
             extra_latent, extra_rope = self._make_extra()
@@ -425,6 +453,9 @@ class SwitchController:
         phase("page_tables")
         handle.handoff_s = time.perf_counter() - t0
         handle.plan = plan.summary()
+        if later:
+            handle.plan["pages_freed"] = None  # counted at the next boundary
+            self._to_free = (handle, old_pages)
         self._finish(handle, SwitchState.DONE)
         log.info("switch %s -> %s done: %s", src.name, dst.name, handle.as_dict())
 
@@ -472,16 +503,39 @@ class SwitchController:
                     if victim is r:
                         break
 
+    def _free_later(self, plan: TransitionPlan) -> bool:
+        """Whether the handoff leaves freeing the source pages to the next batch boundary (0.5-1.6
+        ms of host time on the H200 host, taken off the handoff's boundary): not when the extra
+        segment goes (its pages must be free first), nor when some device has fewer free pages than
+        the next step could ask for (one per running request plus a full token budget), so no
+        request is preempted for want of pages that are about to be freed."""
+        if plan.extra_segment == "remove":
+            return False
+        engine = self.engine
+        need = len(engine.scheduler.running) + pages_for_tokens(engine.config.max_num_batched_tokens, engine.config.page_size)
+        return all(engine.allocator.num_free(d) >= need for d in range(engine.n))
+
+    def _free_pages(self, old_pages: list) -> int:
+        to_free = pages_to_free(old_pages, self.engine.allocator.num_pages)
+        self.engine.allocator.free(to_free)
+        return len(to_free)
+
+    def free_deferred(self) -> None:
+        """Free the last handoff's source pages that its destination did not keep, if still
+        pending. The destination's page lists may have grown since; pages it allocated were free
+        at the handoff, so they are never among the sources freed here."""
+        if self._to_free is not None:
+            handle, old_pages = self._to_free
+            self._to_free = None
+            handle.plan["pages_freed"] = self._free_pages(old_pages)
+
     def _must_wait_for_memory(self, plan: TransitionPlan, margin_bytes: int = 256 * 2**20) -> bool:
         """True when the buffers the handoff allocates (resharded weight leaves, the extra
         segment) might not fit next to those it frees (which stay allocated until the queued
         steps finish): the least free device memory is below what they need plus a margin.
         Backends without memory statistics (CPU) never wait."""
         engine = self.engine
-        needed = sum(
-            _bytes_per_device(x, NamedSharding(engine.mesh, plan.dst.param_spec(path)))
-            for path, x in engine.executor.param_items() if x.sharding.spec != plan.dst.param_spec(path)
-        )
+        needed = 0 if self._prepared is not None else self._weight_bytes_needed(plan)
         if plan.extra_segment == "add":
             needed += engine.extra_pages * engine.page_bytes
         if not needed:
@@ -489,14 +543,34 @@ class SwitchController:
         free = _least_free_device_bytes(engine.mesh)
         return free is not None and free < needed + margin_bytes
 
-    def _resharded_weights(self, dst: Layout) -> list:
+    def _room_for_both_weights(self, plan: TransitionPlan, margin_bytes: int = 1 << 30) -> bool:
+        """Whether the changed weight leaves can be resharded at the switch's start, living beside
+        their sources until the handoff: every device has room for them plus a margin (a gather
+        for DP needs the memory the dropped extra segment frees otherwise). Backends without
+        memory statistics (CPU) always have room."""
+        needed = self._weight_bytes_needed(plan)
+        if not needed:
+            return False
+        free = _least_free_device_bytes(self.engine.mesh)
+        return free is None or free >= needed + margin_bytes
+
+    def _weight_bytes_needed(self, plan: TransitionPlan) -> int:
+        """Bytes per device of the weight leaves the destination places differently."""
+        engine = self.engine
+        return sum(
+            _bytes_per_device(x, NamedSharding(engine.mesh, plan.dst.param_spec(path)))
+            for path, x in engine.executor.param_items() if x.sharding.spec != plan.dst.param_spec(path)
+        )
+
+    def _resharded_weights(self, dst: Layout, keep_sources: bool = False) -> list:
         """The params as `dst` places them (one program for every leaf that changes, dispatched and
-        not waited for: the next step consumes them)."""
+        not waited for: the next step consumes them). The sources are deleted unless kept (a
+        reshard at the switch's start: the source layout's steps still read them)."""
         out = [x for _, x in self.engine.executor.param_items()]
         changed = [(i, dst.param_spec(path)) for i, (path, x) in enumerate(self.engine.executor.param_items())
                    if x.sharding.spec != dst.param_spec(path)]
         if changed:
-            new = self.resharder([out[i] for i, _ in changed], [spec for _, spec in changed])
+            new = self.resharder([out[i] for i, _ in changed], [spec for _, spec in changed], delete_sources=not keep_sources)
             for (i, _), y in zip(changed, new):
                 out[i] = y
         return out

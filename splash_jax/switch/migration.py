@@ -197,11 +197,12 @@ class WeightResharder:
             self._programs[key] = fn.lower(*srcs).compile()
         return self._programs[key]
 
-    def __call__(self, xs: list[jax.Array], dst_specs: list[P]) -> list[jax.Array]:
+    def __call__(self, xs: list[jax.Array], dst_specs: list[P], delete_sources: bool = True) -> list[jax.Array]:
         abstracts = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
         outs = self.program(abstracts, [x.sharding.spec for x in xs], list(dst_specs))(*xs)
-        for x in xs:
-            x.delete()
+        if delete_sources:
+            for x in xs:
+                x.delete()
         return list(outs)
 
 

@@ -151,12 +151,13 @@ def plan_request(
     return plan
 
 
-def pages_to_free(plans, num_pages: int) -> np.ndarray:
-    """Source pages the destination does not keep, over every request of a handoff at once
-    (computed when pages are final; a page belongs to one request, so one mark array over the
-    pool's `num_pages` global ids covers all)."""
-    src = np.array(list(itertools.chain.from_iterable(p for plan in plans for p in plan.request.device_pages)), np.int64)
-    dst = np.array(list(itertools.chain.from_iterable(p for plan in plans for p in plan.dst_pages)), np.int64)
+def pages_to_free(page_lists, num_pages: int) -> np.ndarray:
+    """Source pages the destination does not keep, over every request of a handoff at once.
+    `page_lists`: per request (source device_pages, destination device_pages). A page belongs to
+    one request, so one mark array over the pool's `num_pages` global ids covers all."""
+    chain = itertools.chain.from_iterable
+    src = np.fromiter(chain(chain(old for old, _ in page_lists)), np.int64)
+    dst = np.fromiter(chain(chain(new for _, new in page_lists)), np.int64)
     keep = np.zeros(num_pages, bool)
     keep[dst] = True
     return src[~keep[src]]
