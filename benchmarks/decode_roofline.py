@@ -80,6 +80,7 @@ def main(argv=None):
     parser.add_argument("--layout", default="tp")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--expert-weights", default="auto", help="auto | model | fp8 (routed experts in HBM)")
+    parser.add_argument("--top-kernels", type=int, default=8, help="kernel names to report per row (by GPU time)")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                         help="decoder layers under lax.scan (the engine's default) or unrolled")
     args = parser.parse_args(argv)
@@ -115,7 +116,8 @@ def main(argv=None):
                 for _ in range(args.steps):
                     engine.step()
                 engine_s = (time.perf_counter() - t) / args.steps
-                prof = device_busy(engine.step, args.steps, sync=lambda: (engine.flush(), jax.block_until_ready(engine.executor.kv)))
+                prof = device_busy(engine.step, args.steps, sync=lambda: (engine.flush(), jax.block_until_ready(engine.executor.kv)),
+                                    top=args.top_kernels)
                 ideal_w, dense_w = weight_bytes(engine.model, b)
                 kv_bytes = b * (ctx + args.steps) * cfg.latent_dim * 2 * cfg.num_layers
                 busy = prof.busy_ms
@@ -127,7 +129,7 @@ def main(argv=None):
                     "kernels_per_step": prof.kernels, "tokens_per_s": b / engine_s,
                     "roofline_ms": (ideal_w + kv_bytes) / bw * 1e3,
                     "dense_ms": (dense_w + kv_bytes) / bw * 1e3,
-                    "top_kernels_us": prof.top,
+                    "top_kernels_us": prof.top,  # (name, us per step, launches per step)
                 }
                 row["x_roofline"] = row["engine_ms"] / row["roofline_ms"]
                 row["hlo_conditionals"] = sum(

@@ -263,7 +263,7 @@ def main(argv=None):
 
                 prof = device_busy(lambda: jax.block_until_ready(call(loop, c.iters)), 1, sync=lambda: None)
                 row["busy_ms"] = prof.busy_ms / c.iters if prof.busy_ms else None
-                row["top_kernels_us"] = [(name[:60], us / c.iters) for name, us in prof.top[:8]]
+                row["top_kernels_us"] = [(name[:60], us / c.iters) for name, us, _ in prof.top[:8]]
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)

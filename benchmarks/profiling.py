@@ -22,7 +22,7 @@ class BusyProfile:
     busy_ms: float | None  # per step: union of kernel intervals over all GPU streams
     kernels: float  # kernels per step
     window_ms: float  # wall time of the profiled window per step
-    top: list[tuple[str, float]]  # (kernel name, us per step)
+    top: list[tuple[str, float, float]]  # (kernel name, us per step, launches per step)
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:
@@ -37,8 +37,9 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
-def device_busy(fn, steps: int, sync=None) -> BusyProfile:
-    """Profile `steps` calls of fn(); `sync()` (default: jax.effects_barrier) waits for the device."""
+def device_busy(fn, steps: int, sync=None, top: int = 8) -> BusyProfile:
+    """Profile `steps` calls of fn(); `sync()` (default: jax.effects_barrier) waits for the device.
+    `top`: how many kernel names (by GPU time) to report, with their launches per step."""
     sync = sync or jax.effects_barrier
     sync()
     folder = tempfile.mkdtemp(prefix="splash-prof-")
@@ -51,7 +52,7 @@ def device_busy(fn, steps: int, sync=None) -> BusyProfile:
             window = time.perf_counter() - t
         files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(files[0])
-        intervals, names, count, found = [], collections.Counter(), 0, False
+        intervals, names, launches, count, found = [], collections.Counter(), collections.Counter(), 0, False
         for plane in data.planes:
             if "gpu" not in plane.name.lower():
                 continue
@@ -63,9 +64,10 @@ def device_busy(fn, steps: int, sync=None) -> BusyProfile:
                     start = int(ev.start_ns)
                     intervals.append((start, start + int(ev.duration_ns)))
                     names[ev.name[:80]] += ev.duration_ns
+                    launches[ev.name[:80]] += 1
                     count += 1
         busy = _union_ns(intervals) / steps / 1e6 if found else None
-        top = [(k, v / steps / 1e3) for k, v in names.most_common(8)]
-        return BusyProfile(busy, count / steps, window / steps * 1e3, top)
+        ranked = [(k, v / steps / 1e3, launches[k] / steps) for k, v in names.most_common(top)]
+        return BusyProfile(busy, count / steps, window / steps * 1e3, ranked)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
