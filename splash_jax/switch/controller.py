@@ -195,10 +195,10 @@ class SwitchController:
             engine.page_bytes,
         )
         try:
-            for r in sched.running:
-                full = (r.num_computed // engine.config.page_size) * engine.config.page_size
+            for r in sched.running:  # every page with data; a partly filled last page is copied at the handoff
                 plan.requests[r.request_id] = plan_request(
-                    r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owners[r.request_id], upto_tokens=full
+                    r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owners[r.request_id],
+                    upto_tokens=r.num_computed,
                 )
         except (OutOfPages, SwitchRefused) as e:
             self._release(plan)
@@ -281,14 +281,16 @@ class SwitchController:
         steps copy them and the handoff copies about one partial page per request (one mover call
         instead of several: 1-6 ms of host time at a handoff on the H200 host). Requests admitted
         meanwhile are left to the handoff (reserving their pages early would crowd the source
-        layout into preempting). True if copies were added. Out of pages: stop here (the handoff
-        preempts)."""
-        before = plan.num_copies
+        layout into preempting). True if copies the steps may run were added (a page held as
+        partly filled becomes one once the request writes past it). Out of pages: stop here (the
+        handoff preempts)."""
+        ready = lambda: sum(p.ready_copies for p in plan.requests.values())  # noqa: E731
+        before = ready()
         try:
             self._extend_plans(plan, full_pages_only=True)
         except (OutOfPages, SwitchRefused):
             pass
-        return plan.num_copies > before
+        return ready() > before
 
     def step_moves(self):
         """The page copies the next step carries ([N, 4*N*K] index buffer), or None."""
@@ -326,22 +328,24 @@ class SwitchController:
 
     # --- internals ---------------------------------------------------------------------------------
     def _has_pending(self, plan: TransitionPlan) -> bool:
-        return len(self._queue) > 0 or any(self._queued.get(rid, 0) != len(p.copies) for rid, p in plan.requests.items())
+        """Copies still to run inside the steps (the held ones wait for the handoff)."""
+        return len(self._queue) > 0 or any(self._queued.get(rid, 0) < p.ready_copies for rid, p in plan.requests.items())
 
-    def _enqueue(self, plan: TransitionPlan) -> None:
-        """Queue every copy planned since the last call, located (one vectorized locate for all
+    def _enqueue(self, plan: TransitionPlan, held_too: bool = False) -> None:
+        """Queue every copy planned since the last call that may run now (the held ones of partly
+        filled pages too if `held_too`: the handoff), located (one vectorized locate for all
         requests), in admission order within each device pair."""
         new, codes = [], []
         for rid, p in plan.requests.items():
-            have = self._queued.get(rid, 0)
-            if have == len(p.copies):
+            have, upto = self._queued.get(rid, 0), (len(p.copies) if held_too else p.ready_copies)
+            if have >= upto:
                 continue
             if rid not in self._codes:
                 self._codes[rid] = self._next_code
                 self._next_code += 1
-            new += p.copies[have:]
-            codes.append(np.full(len(p.copies) - have, self._codes[rid], np.int64))
-            self._queued[rid] = len(p.copies)
+            new += p.copies[have:upto]
+            codes.append(np.full(upto - have, self._codes[rid], np.int64))
+            self._queued[rid] = upto
         if new:
             self._queue.add(locate_copies(new, self.engine.allocator), np.concatenate(codes))
 
@@ -352,7 +356,7 @@ class SwitchController:
 
     def _copy(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
         """Run every pending copy now with the standalone mover (handoff: the last few pages)."""
-        self._enqueue(plan)
+        self._enqueue(plan, held_too=True)
         pending = self._queue.take()
         if pending.shape[1] == 0:
             return
@@ -477,8 +481,10 @@ class SwitchController:
             existing = plan.requests.get(r.request_id)
             if full_pages_only and existing is None:
                 continue  # admitted since the switch started: planned at the handoff, as before
+            if existing is not None and existing.held_from is not None and r.num_computed >= existing.planned_pages * page_size:
+                existing.held_from = None  # its held last page is full now (steps dispatched wrote it): the steps may copy it
             if existing is not None and pages_for_tokens(upto, page_size) <= existing.planned_pages:
-                continue  # nothing new to plan (plans before the handoff cover full pages only)
+                continue  # nothing new to plan (a partly filled last page planned earlier is copied at the handoff)
             while True:
                 try:
                     existing = plan.requests.get(r.request_id)

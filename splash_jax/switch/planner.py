@@ -41,6 +41,14 @@ class RequestPlan:
     reserved: list[int]  # destination pages allocated for this plan (freed on cancel)
     planned_pages: int  # pages of the request covered by this plan
     order: int  # the request's admission order when planned: a re-admitted request's plan is stale
+    # Copies from this index on are of a page that was partly filled when planned: the steps after
+    # may still write it, so they run at the handoff, not inside the steps (None: none held).
+    held_from: int | None = None
+
+    @property
+    def ready_copies(self) -> int:
+        """How many of the copies (a prefix) may run inside the steps."""
+        return len(self.copies) if self.held_from is None else self.held_from
 
     @property
     def stale(self) -> bool:
@@ -122,17 +130,22 @@ def plan_request(
 ) -> RequestPlan:
     """Reserve destination pages for `request`'s pages (up to `upto_tokens`), extending `existing`."""
     n = allocator.num_devices
-    num_pages = pages_for_tokens(upto_tokens if upto_tokens is not None else request.num_computed, allocator.page_size)
+    upto = upto_tokens if upto_tokens is not None else request.num_computed
+    num_pages = pages_for_tokens(upto, allocator.page_size)
     plan = existing or RequestPlan(request, owner, [[] for _ in range(n)], [], [], 0, request.order)
     holders = page_holders(src, n, request.device_pages, from_index=plan.planned_pages)
     # All or nothing: a failed extension (no free page) leaves `existing` exactly as it was.
     lengths = [len(x) for x in plan.dst_pages], len(plan.reserved), len(plan.copies)
+    held_from = plan.held_from
+    num_base = allocator.num_base_pages
     try:
         for j in range(plan.planned_pages, num_pages):
+            if j == num_pages - 1:  # the last page: held for the handoff if partly filled
+                held_from = len(plan.copies) if upto % allocator.page_size else None
             have = holders.get(j, [])
             for d in dst_devices(dst, n, plan.owner, j):
                 local = [p for dev, p in have if dev == d]
-                usable = [p for p in local if not (base_only and allocator.locate([p])[1][0] == 1)]
+                usable = [p for p in local if not (base_only and p >= num_base)]
                 if usable:
                     plan.dst_pages[d].append(usable[0])
                     continue
@@ -147,7 +160,8 @@ def plan_request(
             del plan.dst_pages[d][k:]
         del plan.reserved[lengths[1]:], plan.copies[lengths[2]:]
         raise
-    plan.planned_pages = num_pages
+    plan.planned_pages = max(plan.planned_pages, num_pages)
+    plan.held_from = held_from
     return plan
 
 
