@@ -1,4 +1,5 @@
-"""The switch's copy queue and chunk packer against a plain per-copy reference (no devices)."""
+"""The switch's host-side planning: the per-request page planner, the copy queue and the chunk
+packer, each against a plain one-at-a-time reference (no devices)."""
 
 import numpy as np
 import pytest
@@ -96,3 +97,92 @@ def test_take_all_empties_the_queues():
     assert first.shape[1] == np.minimum(per_pair, 2).sum()
     assert q.take().shape[1] == 30 - first.shape[1]
     assert len(q) == 0
+
+
+# --- planning a request's pages ---------------------------------------------------------------
+
+
+def reference_plan(request, src, dst, allocator, base_only, owner, upto, existing=None):
+    """The definition, one page index and one device at a time: reuse the page the device holds
+    (a base-segment one under base_only), else reserve one there and copy it from that device's
+    page or the lowest device holding it. Returns (dst_pages, copies, reserved, held_from)."""
+    n, size = allocator.num_devices, allocator.page_size
+    dst_pages = [list(x) for x in existing.dst_pages] if existing else [[] for _ in range(n)]
+    copies, reserved = (list(existing.copies), list(existing.reserved)) if existing else ([], [])
+    held_from = existing.held_from if existing else None
+    first = existing.planned_pages if existing else 0
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for d, pages in enumerate(request.device_pages):
+        for k, page in enumerate(pages):
+            holders.setdefault(src.kv_placement.page_index(d, k, n), []).append((d, page))
+    last = -(-upto // size)
+    for j in range(first, last):
+        if j == last - 1:
+            held_from = len(copies) if upto % size else None
+        have = sorted(holders[j])
+        for d in dst.kv_placement.devices_of_page(j, owner, n):
+            local = [p for dev, p in have if dev == d]
+            usable = [p for p in local if not (base_only and p >= allocator.num_base_pages)]
+            if usable:
+                dst_pages[d].append(usable[0])
+                continue
+            new = allocator.allocate_base(d) if base_only else allocator.allocate(1, d)[0]
+            reserved.append(new)
+            dst_pages[d].append(new)
+            copies.append((local[0] if local else have[0][1], new))
+    return dst_pages, copies, reserved, held_from
+
+
+def placed_request(alloc, layout, owner, tokens, rid):
+    """A request holding `tokens` tokens as `layout` places them (pages taken from `alloc`)."""
+    import types
+
+    n = alloc.num_devices
+    g = -(-tokens // alloc.page_size)
+    device_pages = [alloc.allocate(layout.kv_placement.pages_held(d, owner, n, g), d) for d in range(n)]
+    return types.SimpleNamespace(request_id=rid, num_computed=tokens, device_pages=device_pages, order=0)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_plan_request_matches_the_per_page_definition(n):
+    import copy
+    import itertools
+
+    from splash_jax.mesh.layouts import LAYOUT_NAMES, get_layout
+    from splash_jax.switch.planner import plan_request
+
+    rng = np.random.default_rng(n)
+    for src_name, dst_name in itertools.permutations(LAYOUT_NAMES, 2):
+        src, dst = get_layout(src_name), get_layout(dst_name)
+        for base_only in (False, True):
+            alloc = PageAllocator(n, 300, 8, extra_pages_per_device=60)
+            # some pages in the extra segment: take most base pages first
+            hog = [alloc.allocate(280, d) for d in range(n)]
+            owner, tokens = int(rng.integers(n)), int(rng.integers(9, 150))
+            r = placed_request(alloc, src, owner, tokens, f"{src_name}-{dst_name}")
+            for d in range(n):
+                alloc.free(hog[d])
+            ref_alloc = copy.deepcopy(alloc)
+            mid = int(rng.integers(1, tokens + 1))
+            plan = plan_request(r, src, dst, alloc, base_only, owner, upto_tokens=mid)
+            want = reference_plan(r, src, dst, ref_alloc, base_only, owner, mid)
+            assert (plan.dst_pages, plan.copies, plan.reserved, plan.held_from) == want, (src_name, dst_name, base_only)
+            before = copy.deepcopy(plan)
+            plan = plan_request(r, src, dst, alloc, base_only, owner, upto_tokens=tokens, existing=plan)  # extend
+            want = reference_plan(r, src, dst, ref_alloc, base_only, owner, tokens, existing=before)
+            assert (plan.dst_pages, plan.copies, plan.reserved, plan.held_from) == want, (src_name, dst_name, base_only)
+            assert alloc._free == ref_alloc._free and alloc._free_extra == ref_alloc._free_extra
+
+
+def test_plan_request_is_all_or_nothing_without_free_pages():
+    from splash_jax.kv.allocator import OutOfPages
+    from splash_jax.mesh.layouts import get_layout
+    from splash_jax.switch.planner import plan_request
+
+    alloc = PageAllocator(2, 20, 8)
+    r = placed_request(alloc, get_layout("cp"), 0, 100, "r")  # 13 pages striped over 2 devices
+    rest = [alloc.allocate(alloc.num_free(d) - 3, d) for d in range(2)]  # 3 free pages per device
+    free = [alloc.num_free(d) for d in range(2)]
+    with pytest.raises(OutOfPages):
+        plan_request(r, get_layout("cp"), get_layout("tp"), alloc, False, 0)  # TP needs all 13 everywhere
+    assert [alloc.num_free(d) for d in range(2)] == free and rest

@@ -86,10 +86,15 @@ class PageAllocator:
     def num_free(self, device: int = 0) -> int:
         return len(self._free[device]) + len(self._free_extra[device])
 
-    def allocate(self, n: int, device: int = 0) -> list[int]:
-        base, extra = self._free[device], self._free_extra[device]
+    def num_free_base(self, device: int = 0) -> int:
+        return len(self._free[device])
+
+    def allocate(self, n: int, device: int = 0, base_only: bool = False) -> list[int]:
+        """n pages of `device`, base segment first (only the base segment if `base_only`), in the
+        order n calls of allocate(1) would give them."""
+        base, extra = self._free[device], ([] if base_only else self._free_extra[device])
         if n > len(base) + len(extra):
-            raise OutOfPages(f"device {device}: asked for {n} pages, {len(base) + len(extra)} free")
+            raise OutOfPages(f"device {device}: asked for {n} {'base ' if base_only else ''}pages, {len(base) + len(extra)} free")
         taken = []
         for free in (base, extra):
             k = min(n - len(taken), len(free))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from splash_jax.kv.allocator import pages_for_tokens
 
 
@@ -23,6 +25,14 @@ class Placement:
     def devices_of_page(self, j: int, owner: int, n: int) -> tuple[int, ...]:
         """Devices that must hold page index j of a request owned by `owner`."""
         raise NotImplementedError
+
+    def page_mask(self, js: np.ndarray, owner: int, n: int) -> np.ndarray:
+        """[len(js), n] bool: which devices must hold each page index in `js` (devices_of_page for
+        many pages at once)."""
+        mask = np.zeros((len(js), n), bool)
+        for i, j in enumerate(np.asarray(js).tolist()):
+            mask[i, list(self.devices_of_page(j, owner, n))] = True
+        return mask
 
     def page_index(self, device: int, entry: int, n: int) -> int:
         """Page index of entry `entry` in `device_pages[device]` (lists are in position order)."""
@@ -53,6 +63,9 @@ class Replicated(Placement):
     def devices_of_page(self, j, owner, n):
         return tuple(range(n))
 
+    def page_mask(self, js, owner, n):
+        return np.ones((len(js), n), bool)
+
     def pages_held(self, device, owner, n, num_pages):
         return num_pages
 
@@ -67,6 +80,11 @@ class Owner(Placement):
     def devices_of_page(self, j, owner, n):
         return (owner,)
 
+    def page_mask(self, js, owner, n):
+        mask = np.zeros((len(js), n), bool)
+        mask[:, owner] = True
+        return mask
+
     def pages_held(self, device, owner, n, num_pages):
         return num_pages if device == owner else 0
 
@@ -78,6 +96,12 @@ class Owner(Placement):
 class Striped(Placement):
     def devices_of_page(self, j, owner, n):
         return (j % n,)
+
+    def page_mask(self, js, owner, n):
+        js = np.asarray(js)
+        mask = np.zeros((len(js), n), bool)
+        mask[np.arange(len(js)), js % n] = True
+        return mask
 
     def page_index(self, device, entry, n):
         return device + entry * n

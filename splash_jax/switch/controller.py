@@ -437,7 +437,8 @@ class SwitchController:
         if plan.extra_segment == "remove":
             engine.allocator.remove_extra_segment()
             ex.apply_to_pool(drop_extra_segment)
-        params, early = (self._prepared, True) if self._prepared is not None else (self._resharded_weights(dst), False)
+        early = self._prepared is not None
+        params = self._prepared if early else self._resharded_weights(dst)
         self._prepared = None
         if early:  # the sources the source layout's steps read until now (freed once those are done)
             for old, new in zip(ex.params, params):
@@ -481,10 +482,11 @@ class SwitchController:
             existing = plan.requests.get(r.request_id)
             if full_pages_only and existing is None:
                 continue  # admitted since the switch started: planned at the handoff, as before
-            if existing is not None and existing.held_from is not None and r.num_computed >= existing.planned_pages * page_size:
-                existing.held_from = None  # its held last page is full now (steps dispatched wrote it): the steps may copy it
+            held = existing is not None and existing.held_from is not None
+            if held and r.num_computed >= existing.planned_pages * page_size:
+                existing.held_from = None  # the held last page is full now (dispatched steps wrote it): steps may copy it
             if existing is not None and pages_for_tokens(upto, page_size) <= existing.planned_pages:
-                continue  # nothing new to plan (a partly filled last page planned earlier is copied at the handoff)
+                continue  # nothing new to plan (a held, partly filled last page is copied at the handoff)
             while True:
                 try:
                     existing = plan.requests.get(r.request_id)
@@ -518,7 +520,8 @@ class SwitchController:
         if plan.extra_segment == "remove":
             return False
         engine = self.engine
-        need = len(engine.scheduler.running) + pages_for_tokens(engine.config.max_num_batched_tokens, engine.config.page_size)
+        cfg = engine.config
+        need = len(engine.scheduler.running) + pages_for_tokens(cfg.max_num_batched_tokens, cfg.page_size)
         return all(engine.allocator.num_free(d) >= need for d in range(engine.n))
 
     def _free_pages(self, old_pages: list) -> int:
