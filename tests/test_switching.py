@@ -482,3 +482,29 @@ def test_a_plan_whose_request_was_preempted_and_admitted_again_is_dropped(engine
     assert handle.state == SwitchState.DONE
     assert [acc[i].token_ids for i in ids] == reference
     assert engine.stats()["pages_used"] == 0
+
+
+def test_a_switch_plans_its_requests_a_few_pages_per_boundary(engine):
+    """With a budget of one page per batch boundary the start plans one request and the next
+    boundary the other (each plan covers all of a request's pages); outputs equal a run that
+    never switches."""
+    reference, _ = _decode_through_switch(engine, "dop", None, 2)
+    engine.switcher.plan_pages = 1
+    try:
+        _settle_in(engine, "dop")
+        rng = np.random.default_rng(11)
+        ids = [engine.add_request(rng.integers(0, 200, 64).tolist(), SamplingParams(max_tokens=40)) for _ in range(2)]
+        acc = {}
+        while not all(engine._requests[i].num_computed > 64 for i in ids):
+            accumulate(acc, engine.step())
+        handle = engine.switch_layout("tp")
+        plan = engine.switcher.active[1]
+        assert len(plan.requests) == 1
+        accumulate(acc, engine.step())
+        assert len(plan.requests) == 2
+        while engine.has_work():
+            accumulate(acc, engine.step())
+    finally:
+        engine.switcher.plan_pages = 1024
+    assert handle.state == SwitchState.DONE and handle.pages_copied > 0
+    assert [acc[i].token_ids for i in ids] == reference

@@ -45,6 +45,9 @@ class EngineConfig:
     # pages (N x K pages, all layers) stay under 256 MB per device (migration.in_step_chunk_pages).
     # 2 H200s, V3 width: 64 moved 4x what 16 did per step at the same step overhead (median <= 3.5%).
     switch_chunk_pages: int = 64
+    # Pages a switch plans per batch boundary (the start plans the first ones; the copies of
+    # planned requests begin while the rest are planned): bounds the host time of any boundary.
+    switch_plan_pages: int = 1024
     overlap_scheduling: bool = True  # dispatch step k+1 before step k's tokens reach the host
     max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
     max_logit_bias: int = 64  # logit_bias entries per request; fixes the sampler's bias columns

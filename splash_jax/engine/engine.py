@@ -165,7 +165,7 @@ class Engine:
         if config.enable_switching:
             from splash_jax.switch.controller import SwitchController
 
-            self.switcher = SwitchController(self, self.switch_chunk_pages)  # compiles the migration programs
+            self.switcher = SwitchController(self, self.switch_chunk_pages, config.switch_plan_pages)  # compiles the migration programs
         self.policy = None
         if config.layout_policy == "auto":
             from splash_jax.policy import TransitionAwarePolicy

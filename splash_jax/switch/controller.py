@@ -18,6 +18,7 @@ are freed). `cancel()` before handoff frees every reservation: the source layout
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import logging
@@ -108,9 +109,11 @@ class SwitchHandle:
 class SwitchController:
     """Owns the migration programs (compiled at start-up) and the switch in progress."""
 
-    def __init__(self, engine, chunk_pages: int = 8):
+    def __init__(self, engine, chunk_pages: int = 8, plan_pages: int = 1024):
         self.engine = engine
         self.chunk_pages = chunk_pages
+        self.plan_pages = max(1, plan_pages)  # pages planned per batch boundary (see _plan_some)
+        self._unplanned: collections.deque = collections.deque()  # (request, owner) the switch has yet to plan
         self._reset_queue()
         self.handoff_chunk_pages = self._handoff_chunk_pages()  # the handoff mover's compiled K
         ex = engine.executor
@@ -194,19 +197,15 @@ class SwitchController:
             "add" if dst.heads_sharded and not src.heads_sharded else ("remove" if src.heads_sharded and not dst.heads_sharded else "keep"),
             engine.page_bytes,
         )
+        self._reset_queue()
+        self._unplanned = collections.deque((r, owners[r.request_id]) for r in sorted(sched.running, key=lambda r: r.order))
         try:
-            for r in sched.running:  # every page with data; a partly filled last page is copied at the handoff
-                plan.requests[r.request_id] = plan_request(
-                    r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owners[r.request_id],
-                    upto_tokens=r.num_computed,
-                )
+            self._plan_some(plan)  # the first requests now; the rest at the next boundaries
         except (OutOfPages, SwitchRefused) as e:
             self._release(plan)
             return self._refuse(handle, f"not enough free pages to stage the switch: {e}")
         handle.pages_planned = plan.num_copies
         handle.plan = plan.summary()
-        self._reset_queue()
-        self._enqueue(plan)  # located now, so the first moving step only slices
         self._prepared = self._resharded_weights(dst, keep_sources=True) if self._room_for_both_weights(plan) else None
         handle.weights_early = self._prepared is not None
         self.active = (handle, plan)
@@ -267,7 +266,20 @@ class SwitchController:
             self.free_deferred()
             return
         handle, plan = self.active
-        if handle._cancel or self._has_pending(plan):
+        if handle._cancel:
+            return
+        if self._unplanned:
+            try:
+                self._plan_some(plan)
+            except (OutOfPages, SwitchRefused) as e:
+                self._release(plan)
+                handle.reason = f"not enough free pages to stage the switch: {e}"
+                log.warning("switch %s -> %s refused while planning: %s", handle.src, handle.dst, handle.reason)
+                self._finish(handle, SwitchState.REFUSED)
+                return
+            handle.pages_planned = plan.num_copies
+            return
+        if self._has_pending(plan):
             return
         self._drop_stale(plan)  # scheduling may have preempted some since before_step
         if self.engine.executor.move_pages and handle.catch_ups < self.max_catch_ups and self._catch_up(plan):
@@ -327,6 +339,27 @@ class SwitchController:
         ex.apply_to_pool(lambda kv: mover(kv, chunk))
 
     # --- internals ---------------------------------------------------------------------------------
+    def _plan_some(self, plan: TransitionPlan) -> None:
+        """Plan the next requests in admission order, about `plan_pages` pages' worth (every page
+        with data; a partly filled last page is held for the handoff), and queue their copies
+        (located now, so a moving step only slices). Planning is ~0.1 ms per request on the CPU
+        host, so a whole batch at once could cost one boundary 5-35 ms; in slices the copies of
+        the first requests ride the steps while the rest are planned. Requests that finished or
+        were preempted since the start are skipped (one admitted again is planned at the handoff)."""
+        engine = self.engine
+        running = {r.request_id: r for r in engine.scheduler.running}
+        budget = self.plan_pages
+        while self._unplanned and budget > 0:
+            r, owner = self._unplanned.popleft()
+            if running.get(r.request_id) is not r or r.request_id in plan.requests:
+                continue
+            plan.requests[r.request_id] = plan_request(
+                r, plan.src, plan.dst, engine.allocator, base_only=not plan.dst.heads_sharded, owner=owner,
+                upto_tokens=r.num_computed,
+            )
+            budget -= pages_for_tokens(r.num_computed, engine.config.page_size)
+        self._enqueue(plan)
+
     def _has_pending(self, plan: TransitionPlan) -> bool:
         """Copies still to run inside the steps (the held ones wait for the handoff)."""
         return len(self._queue) > 0 or any(self._queued.get(rid, 0) < p.ready_copies for rid, p in plan.requests.items())
@@ -395,6 +428,7 @@ class SwitchController:
         for p in plan.requests.values():
             self.engine.allocator.free(p.reserved)
         plan.requests.clear()
+        self._unplanned.clear()
         if self._prepared is not None:  # resharded weights the cancelled switch no longer needs
             for new, current in zip(self._prepared, self.engine.executor.params):
                 if new is not current:
