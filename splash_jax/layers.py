@@ -42,3 +42,17 @@ class MLP(nnx.Module):
     def __call__(self, x):
         h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
         return h @ self.down[...]
+
+
+LOGITS_MIN_ROWS = 8
+
+
+def logits_dot(h: jax.Array, head: jax.Array) -> jax.Array:
+    """h [M, D] @ head [D, V] -> float32 logits. Fewer than LOGITS_MIN_ROWS rows are padded to it:
+    on GPUs XLA turns a one-row product with bf16 inputs and a float32 result into converting the
+    whole head to float32, a transpose and a float32 GEMV (0.68 ms per step for V2-Lite's 2048 x
+    102400 head on an H200, 12% of a batch-1 step), where a GEMM reads the head once in bf16."""
+    m = h.shape[0]
+    if m < LOGITS_MIN_ROWS:
+        h = jnp.pad(h, ((0, LOGITS_MIN_ROWS - m), (0, 0)))
+    return jnp.dot(h, head, preferred_element_type=jnp.float32)[:m]

@@ -26,7 +26,7 @@ from splash_jax.attention.naive import naive_mla_attention
 from splash_jax.kv.cache import KVCache, StepInput, layer_batch, write_kv
 from splash_jax.layer_groups import layer_groups
 from splash_jax.model_config import ModelConfig
-from splash_jax.layers import LATENT_NORM_EPS, MLP, RMSNorm, init_param, rms_norm
+from splash_jax.layers import LATENT_NORM_EPS, MLP, RMSNorm, init_param, logits_dot, rms_norm
 from splash_jax.moe import MoE
 from splash_jax.rope import apply_rope, inverse_frequencies
 
@@ -132,7 +132,7 @@ class LocalContext:
         return table[tokens]
 
     def logits(self, h, head):
-        return jnp.dot(h, head, preferred_element_type=jnp.float32)
+        return logits_dot(h, head)
 
 
 class DecoderLayer(nnx.Module):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from splash_jax.attention import dispatch
 from splash_jax.attention.paged_reference import merge_partial_attention
-from splash_jax.layers import LATENT_NORM_EPS, rms_norm
+from splash_jax.layers import LATENT_NORM_EPS, logits_dot, rms_norm
 from splash_jax.mesh.layouts import AXIS, Layout
 from splash_jax.rope import apply_rope
 
@@ -51,7 +51,7 @@ class ShardedContext:
         return jax.lax.psum(x, AXIS)
 
     def logits(self, h, head):
-        local = jnp.dot(h, head, preferred_element_type=jnp.float32)
+        local = logits_dot(h, head)
         return jax.lax.all_gather(local, AXIS, axis=1, tiled=True)
 
     # --- attention --------------------------------------------------------------------------
