@@ -108,3 +108,19 @@ def test_padded_model_in_every_layout_matches_unpadded_single_device(tmp_path_fa
 @pytest.mark.parametrize("heads,experts", SLOW_SHAPES)
 def test_more_padded_shapes_in_every_layout(tmp_path_factory, heads, experts):
     _every_layout_matches_single_device(tmp_path_factory, heads, experts)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_logits_of_few_rows_are_the_plain_product(rows):
+    """logits_dot pads fewer than 8 rows to 8 (a GEMM instead of a GPU GEMV that converts the whole
+    head to float32); the rows it returns are the plain product's."""
+    import jax.numpy as jnp
+
+    from splash_jax.layers import logits_dot
+
+    rng = np.random.default_rng(rows)
+    h = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((64, 300)), jnp.float32)
+    out = logits_dot(h, head)
+    assert out.shape == (rows, 300) and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(h) @ np.asarray(head), rtol=1e-5, atol=1e-5)
