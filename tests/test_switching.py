@@ -434,6 +434,17 @@ def _decode_through_switch(engine, src: str, dst: str | None, catch_ups: int):
     return [acc[i].token_ids for i in ids], handle
 
 
+def _two_decoding_in_dop(engine):
+    """_decode_through_switch's two requests, in DOP, run until both decode: (ids, outputs so far)."""
+    _settle_in(engine, "dop")
+    rng = np.random.default_rng(11)
+    ids = [engine.add_request(rng.integers(0, 200, 64).tolist(), SamplingParams(max_tokens=40)) for _ in range(2)]
+    acc = {}
+    while not all(engine._requests[i].num_computed > 64 for i in ids):
+        accumulate(acc, engine.step())
+    return ids, acc
+
+
 def test_pages_filled_during_the_copies_are_caught_up_in_the_background(engine):
     """DOP -> TP with one page per device pair per step: each request's 8 full pages take 8 steps to
     broadcast, in which it fills another page. Without catch-up the handoff copies that page too;
@@ -454,12 +465,7 @@ def test_a_plan_whose_request_was_preempted_and_admitted_again_is_dropped(engine
     schedule() kept a plan naming pages that may now be another request's; the handoff then gave
     it those pages (pages_used went negative). Its plan is dropped at the next check and made anew."""
     reference, _ = _decode_through_switch(engine, "dop", None, 2)
-    _settle_in(engine, "dop")
-    rng = np.random.default_rng(11)
-    ids = [engine.add_request(rng.integers(0, 200, 64).tolist(), SamplingParams(max_tokens=40)) for _ in range(2)]
-    acc = {}
-    while not all(engine._requests[i].num_computed > 64 for i in ids):
-        accumulate(acc, engine.step())
+    ids, acc = _two_decoding_in_dop(engine)
     handle = engine.switch_layout("tp")
     plan = engine.switcher.active[1]
     victim = engine._requests[ids[1]]
@@ -491,12 +497,7 @@ def test_a_switch_plans_its_requests_a_few_pages_per_boundary(engine):
     reference, _ = _decode_through_switch(engine, "dop", None, 2)
     engine.switcher.plan_pages = 1
     try:
-        _settle_in(engine, "dop")
-        rng = np.random.default_rng(11)
-        ids = [engine.add_request(rng.integers(0, 200, 64).tolist(), SamplingParams(max_tokens=40)) for _ in range(2)]
-        acc = {}
-        while not all(engine._requests[i].num_computed > 64 for i in ids):
-            accumulate(acc, engine.step())
+        ids, acc = _two_decoding_in_dop(engine)
         handle = engine.switch_layout("tp")
         plan = engine.switcher.active[1]
         assert len(plan.requests) == 1
