@@ -15,7 +15,7 @@ def random_copies(rng, alloc: PageAllocator, count: int) -> list[tuple[int, int]
     for _ in range(count):
         a, b = int(rng.integers(n)), int(rng.integers(n))
         src = alloc.allocate(1, a)[0]
-        dst = alloc.allocate(1, b)[0] if rng.random() < 0.7 else alloc.allocate_base(b)
+        dst = alloc.allocate(1, b)[0] if rng.random() < 0.7 else alloc.allocate(1, b, base_only=True)[0]
         out.append((src, dst))
     return out
 
@@ -126,7 +126,7 @@ def reference_plan(request, src, dst, allocator, base_only, owner, upto, existin
             if usable:
                 dst_pages[d].append(usable[0])
                 continue
-            new = allocator.allocate_base(d) if base_only else allocator.allocate(1, d)[0]
+            new = allocator.allocate(1, d, base_only=base_only)[0]
             reserved.append(new)
             dst_pages[d].append(new)
             copies.append((local[0] if local else have[0][1], new))

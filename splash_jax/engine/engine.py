@@ -51,8 +51,8 @@ from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, POOL_SPEC, get_layout, m
 from splash_jax.model import RuntimeOptions
 from splash_jax.model_config import ModelConfig
 from splash_jax.paths import DEFAULT_MODEL
-from splash_jax.tokenizer import Tokenizer
 from splash_jax.switch.migration import in_step_chunk_pages
+from splash_jax.tokenizer import Tokenizer
 from splash_jax.weights.loader import load_model
 
 log = logging.getLogger(__name__)

@@ -103,12 +103,6 @@ class PageAllocator:
                 del free[len(free) - k :]
         return taken
 
-    def allocate_base(self, device: int) -> int:
-        """One page of the base segment (for a destination layout that has no extra segment)."""
-        if not self._free[device]:
-            raise OutOfPages(f"device {device} has no free base page")
-        return self._free[device].pop()
-
     def free(self, pages) -> None:
         """Return pages to their devices' free lists (last page first, so the next allocation
         takes them back in their original order); one list extend per (device, segment)."""

@@ -132,7 +132,7 @@ class SwitchController:
                  rec["programs"], rec["seconds"], rec["cache_hits"])
         self.active: tuple[SwitchHandle, TransitionPlan] | None = None
         # The last handoff's source pages the destination did not keep, freed one batch boundary
-        # later (see _free_later): (handle, old page lists, new page lists).
+        # later (see _free_later): (handle, per request (source page lists, destination page lists)).
         self._to_free: tuple[SwitchHandle, list] | None = None
         # The params as the destination places them, resharded at the switch's start when memory
         # allows (the sources stay until the handoff); None: resharded at the handoff.
@@ -344,8 +344,9 @@ class SwitchController:
         with data; a partly filled last page is held for the handoff), and queue their copies
         (located now, so a moving step only slices). Planning is ~0.1 ms per request on the CPU
         host, so a whole batch at once could cost one boundary 5-35 ms; in slices the copies of
-        the first requests ride the steps while the rest are planned. Requests that finished or
-        were preempted since the start are skipped (one admitted again is planned at the handoff)."""
+        the first requests ride the steps while the rest are planned. Requests no longer running
+        are skipped (the handoff plans any that run again); one preempted and admitted again
+        meanwhile is planned from its new pages."""
         engine = self.engine
         running = {r.request_id: r for r in engine.scheduler.running}
         budget = self.plan_pages
@@ -430,9 +431,7 @@ class SwitchController:
         plan.requests.clear()
         self._unplanned.clear()
         if self._prepared is not None:  # resharded weights the cancelled switch no longer needs
-            for new, current in zip(self._prepared, self.engine.executor.params):
-                if new is not current:
-                    new.delete()
+            _delete_replaced(self._prepared, self.engine.executor.params)
             self._prepared = None
         self._reset_queue()
 
@@ -475,9 +474,7 @@ class SwitchController:
         params = self._prepared if early else self._resharded_weights(dst)
         self._prepared = None
         if early:  # the sources the source layout's steps read until now (freed once those are done)
-            for old, new in zip(ex.params, params):
-                if old is not new:
-                    old.delete()
+            _delete_replaced(ex.params, params)
         kv = ex.pool
         if plan.extra_segment == "add" and self._make_extra is not None:
             extra_latent, extra_rope = self._make_extra()
@@ -628,6 +625,14 @@ class SwitchController:
         handle.reason = reason
         self._finish(handle, SwitchState.REFUSED)
         return handle
+
+
+def _delete_replaced(arrays: list[jax.Array], others: list[jax.Array]) -> None:
+    """Delete each of `arrays` that is not the same array as its counterpart in `others` (the
+    leaves a reshard replaced; unchanged leaves are shared by both lists)."""
+    for x, y in zip(arrays, others):
+        if x is not y:
+            x.delete()
 
 
 def _bytes_per_device(x: jax.Array, sharding: NamedSharding) -> int:
