@@ -3,17 +3,21 @@
     python -m benchmarks.prefill --shape v2-lite --prompts 4096,16384,65536
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python -m benchmarks.prefill --prompts 256,1024
 
-For each attention implementation in `--impls` (one engine each, in the same run: the default
-against the grouped prefill kernel, say) and each prompt length N: a prompt of N random tokens
+For each attention implementation in `--impls` and prefill form in `--prefill-attention` (one
+engine each, in the same run: the absorbed form against the expanded one, say) and each prompt
+length N: a prompt of N random tokens
 with max_tokens=1 runs through `engine.generate` (chunked prefill, `--chunk` tokens per step, then
 one sampled token), once untimed (compiles the buckets it needs), then `--repeats` times timed;
 the best time is reported. The roofline is the prefill's FLOPs over the bf16 matmul rate measured
-in the same run (a square matmul):
+in the same run (a square matmul), for the least work either form of attention needs:
   weights     2 x N x (parameters a token multiplies: every dense weight, the routed experts
               times top-k / experts; not the embedding, and the LM head once)
-  attention   2 x heads x (latent + rope + latent) x N(N+1)/2 per layer (the absorbed MLA form
-              the kernels run: scores over 576 columns, values over the 512-wide latent)
-`x_roofline` = measured / roofline (the issue's goal: within 2x).
+  attention   2 x heads x (nope + rope + v) x N(N+1)/2 per layer (the expanded form: scores over
+              192 columns, values over 128, V2-Lite/V3), plus expanding each token's latent once
+              (2 x latent x heads x (nope + v) per token and layer)
+`x_roofline` = measured / roofline (the issue's goal: within 2x). `x_roofline_absorbed` counts
+attention in the absorbed form instead (2 x heads x (latent + rope + latent) per pair: 3.4x the
+expanded form's pairs; the roofline this benchmark reported before the expanded form existed).
 """
 
 from __future__ import annotations
@@ -64,11 +68,14 @@ def per_token_weight_params(model) -> tuple[float, float]:
     return dense + routed * frac, head
 
 
-def prefill_flops(cfg, per_token_params: float, head_params: float, tokens: int) -> float:
+def prefill_flops(cfg, per_token_params: float, head_params: float, tokens: int, form: str = "expanded") -> float:
     weights = 2.0 * tokens * per_token_params + 2.0 * head_params
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.kv_lora_rank
-    attention = 2.0 * cfg.num_heads * width * tokens * (tokens + 1) / 2 * cfg.num_layers
-    return weights + attention
+    pairs = tokens * (tokens + 1) / 2 * cfg.num_layers
+    if form == "absorbed":
+        return weights + 2.0 * cfg.num_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.kv_lora_rank) * pairs
+    heads = cfg.num_heads
+    expand = 2.0 * tokens * cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.num_layers
+    return weights + expand + 2.0 * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * pairs
 
 
 def main(argv=None):
@@ -77,7 +84,9 @@ def main(argv=None):
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--prompts", default="4096,16384,65536", help="prompt lengths (tokens)")
     parser.add_argument("--chunk", type=int, default=8192, help="tokens per prefill step (max_num_batched_tokens)")
-    parser.add_argument("--impls", default="auto,pallas_grouped", help="attention implementations, one engine each")
+    parser.add_argument("--impls", default="auto", help="attention implementations (auto, pallas, pallas_grouped, xla), one engine each")
+    parser.add_argument("--prefill-attention", default="absorbed,expanded",
+                        help="prefill forms (absorbed, expanded, auto), one engine each per impl")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-memory-gb", type=float, default=8.0)
@@ -92,11 +101,11 @@ def main(argv=None):
     peak = matmul_flops_per_s(dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     log.info("matmul: %.0f TFLOP/s", peak / 1e12)
     rows = []
-    for impl in args.impls.split(","):
+    for impl, form in [(i, f) for i in args.impls.split(",") for f in args.prefill_attention.split(",")]:
         engine = Engine(EngineConfig(
             model=model, load_format="dummy" if model else "auto", dtype=args.dtype, attention_impl=impl,
-            page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=max(prompts) + 64, max_num_seqs=4,
-            max_num_batched_tokens=args.chunk, warmup=False, compile_cache_dir=None,
+            prefill_attention=form, page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=max(prompts) + 64,
+            max_num_seqs=4, max_num_batched_tokens=args.chunk, warmup=False, compile_cache_dir=None,
         ))
         per_token, head = per_token_weight_params(engine.model)
         rng = np.random.default_rng(0)
@@ -114,16 +123,19 @@ def main(argv=None):
             if out.error:
                 raise RuntimeError(f"prefill of {n} tokens failed: {out.error}")
             flops = prefill_flops(engine.model_config, per_token, head, n)
+            absorbed = prefill_flops(engine.model_config, per_token, head, n, "absorbed")
             best = min(times)
             rows.append({
-                "impl": impl, "tokens": n, "prefill_s": best, "first_run_s": first, "tokens_per_s": n / best,
-                "tflops": flops / 1e12, "achieved_tflop_s": flops / best / 1e12, "roofline_s": flops / peak,
-                "x_roofline": best / (flops / peak), "steps": -(-n // args.chunk),
+                "impl": impl, "prefill": form, "tokens": n, "prefill_s": best, "first_run_s": first,
+                "tokens_per_s": n / best, "tflops": flops / 1e12, "achieved_tflop_s": flops / best / 1e12,
+                "roofline_s": flops / peak, "x_roofline": best / (flops / peak),
+                "x_roofline_absorbed": best / (absorbed / peak), "steps": -(-n // args.chunk),
+                "expanded_programs": sum(1 for key in engine.executor._compiled if key[-1]),
             })
             log.info("%s", rows[-1])
         del engine
-    print(table(rows, ["impl", "tokens", "prefill_s", "tokens_per_s", "tflops", "achieved_tflop_s", "roofline_s",
-                       "x_roofline", "steps"]))
+    print(table(rows, ["impl", "prefill", "tokens", "prefill_s", "tokens_per_s", "tflops", "achieved_tflop_s",
+                       "roofline_s", "x_roofline", "x_roofline_absorbed", "steps", "expanded_programs"]))
     write_results("prefill", {"args": vars(args), "matmul_tflop_s": peak / 1e12, "rows": rows})
 
 

@@ -23,7 +23,7 @@ from flax import nnx
 
 from splash_jax.attention import dispatch
 from splash_jax.attention.naive import naive_mla_attention
-from splash_jax.kv.cache import KVCache, StepInput, layer_batch, write_kv
+from splash_jax.kv.cache import KVCache, StepInput, layer_batch, store_latent
 from splash_jax.layer_groups import layer_groups
 from splash_jax.model_config import ModelConfig
 from splash_jax.layers import LATENT_NORM_EPS, MLP, RMSNorm, init_param, logits_dot, rms_norm
@@ -78,20 +78,27 @@ class MLAttention(nnx.Module):
         """Fold W_UK into the query: [T, H, Dn] -> [T, H, L] (over whichever heads are local)."""
         return jnp.einsum("thn,lhn->thl", q_nope, self.w_uk[...])
 
+    def values(self, o_latent):
+        """W_UV: attention output over latents [T, H, L] -> per-head values [T, H, Dv]."""
+        return jnp.einsum("thl,lhv->thv", o_latent, self.w_uv[...])
+
+    def project(self, o):
+        """o_proj: per-head values [T, H, Dv] -> [T, D] (a partial sum when heads are sharded)."""
+        w = self.o_proj[...]
+        return jnp.einsum("thv,hvd->td", o.astype(w.dtype), w)
+
     def output(self, o_latent):
         """W_UV then o_proj: [T, H, L] -> [T, D] (a partial sum when heads are sharded)."""
-        o = jnp.einsum("thl,lhv->thv", o_latent, self.w_uv[...])
-        return jnp.einsum("thv,hvd->td", o, self.o_proj[...])
+        return self.project(self.values(o_latent))
+
+    def roped_latent(self, x, cos_sin):
+        """[T, D] -> the latent [T, L] and roped key [T, R] the cache stores for x's tokens."""
+        c, k_pe = self.latent(x)
+        return c, apply_rope(k_pe, cos_sin, self.cfg.rope.interleaved)
 
     def write_latent(self, x, cos_sin, pools, write_page, write_offset):
         """Compute the latent + roped key of x's tokens and scatter them into the pools."""
-        c, k_pe = self.latent(x)
-        k_pe = apply_rope(k_pe, cos_sin, self.cfg.rope.interleaved)
-        latent_pool, rope_pool = pools
-        return (
-            write_kv(latent_pool, c, write_page, write_offset),
-            write_kv(rope_pool, k_pe, write_page, write_offset),
-        )
+        return store_latent(pools, *self.roped_latent(x, cos_sin), write_page, write_offset)
 
     def __call__(self, x, cos_sin, pools, batch: StepInput, impl: str):
         """Single-device attention: every head, every token, one pool."""

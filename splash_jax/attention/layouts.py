@@ -17,11 +17,14 @@ Collectives per layer (N = devices):
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from splash_jax.attention import dispatch
+from splash_jax.attention import dispatch, expanded
 from splash_jax.attention.paged_reference import merge_partial_attention
+from splash_jax.kv.cache import store_latent
 from splash_jax.layers import LATENT_NORM_EPS, logits_dot, rms_norm
 from splash_jax.mesh.layouts import AXIS, Layout
 from splash_jax.rope import apply_rope
@@ -56,6 +59,8 @@ class ShardedContext:
 
     # --- attention --------------------------------------------------------------------------
     def attention(self, attn, x, cos_sin, pools, batch):
+        if batch.prefill_span is not None and not self.layout.expanded_prefill:
+            raise ValueError(f"layout {self.layout.name} cannot run a prefill chunk in the expanded form")
         return getattr(self, "_" + self.layout.name)(attn, x, cos_sin, pools, batch)
 
     def _attend(self, attn, q_latent, q_pe, pools, batch):
@@ -72,10 +77,37 @@ class ShardedContext:
         return merge_partial_attention(jnp.stack([o for o, _ in parts]), jnp.stack([l for _, l in parts]))
 
     def _write(self, attn, x, cos_sin, pools, batch):
-        return tuple(
-            attn.write_latent(x, cos_sin, pool, batch.write_page[g], batch.write_offset)
-            for g, pool in enumerate(pools)
+        return self._store(*attn.roped_latent(x, cos_sin), pools, batch)
+
+    def _store(self, c, k_pe, pools, batch):
+        return tuple(store_latent(pool, c, k_pe, batch.write_page[g], batch.write_offset) for g, pool in enumerate(pools))
+
+    def _values(self, attn, q_nope, q_pe, c, k_pe, pools, batch):
+        """Per-head attention values [T, H_local, Dv] of this device's query rows (every head of
+        them local, every page of their requests on this device: tp, dp). A step with a
+        prefill_span runs that chunk in the expanded form and the other tokens absorbed."""
+        if batch.prefill_span is None:
+            o_latent, _ = self._attend(attn, attn.absorb(q_nope), q_pe, pools, batch)
+            return attn.values(o_latent)
+        num_tokens = q_nope.shape[0]
+        in_span, to_chunk, from_chunk = expanded.span_rows(batch.prefill_span, num_tokens)
+        start, length = batch.prefill_span[0], batch.prefill_span[1]
+        absorbed = dataclasses.replace(batch, kv_lens=jnp.where(in_span[None], 0, batch.kv_lens))
+        o_latent, _ = self._attend(attn, attn.absorb(q_nope), q_pe, pools, absorbed)
+        # The chunk's prefix in each segment: the slots before its first token's own slot.
+        first = jnp.clip(start, 0, num_tokens - 1)
+        prefix, rows = [], []
+        for g, (lat_pool, _) in enumerate(pools):
+            page = batch.write_page[g][first]
+            held = ((page >= 0) & (page < lat_pool.shape[0])).astype(jnp.int32)
+            prefix.append(jnp.where(length > 0, batch.kv_lens[g][first] - held, 0))
+            rows.append(batch.page_table[g][batch.token_request[first]])
+        chunk = expanded.chunk_attention(
+            q_nope[from_chunk], q_pe[from_chunk], c[from_chunk], k_pe[from_chunk], pools, rows, prefix, length,
+            attn.w_uk[...], attn.w_uv[...], attn.cfg.softmax_scale, expanded.default_impl(q_nope.dtype),
         )
+        o = attn.values(o_latent)
+        return jnp.where(in_span[:, None, None], chunk[to_chunk].astype(o.dtype), o)
 
     def _segment(self, a):
         """This device's owner rows of a replicated [T, ...] array."""
@@ -85,17 +117,19 @@ class ShardedContext:
     def _tp(self, attn, x, cos_sin, pools, batch):
         q_nope, q_pe = attn.queries(x)  # local heads, all tokens
         q_pe = apply_rope(q_pe, cos_sin, attn.cfg.rope.interleaved)
-        pools = self._write(attn, x, cos_sin, pools, batch)  # my replica
-        o_latent, _ = self._attend(attn, attn.absorb(q_nope), q_pe, pools, batch)
-        return jax.lax.psum(attn.output(o_latent), AXIS), pools
+        c, k_pe = attn.roped_latent(x, cos_sin)
+        pools = self._store(c, k_pe, pools, batch)  # my replica
+        o = self._values(attn, q_nope, q_pe, c, k_pe, pools, batch)
+        return jax.lax.psum(attn.project(o), AXIS), pools
 
     def _dp(self, attn, x, cos_sin, pools, batch):
         xs, cs = self._segment(x), self._segment(cos_sin)
         q_nope, q_pe = attn.queries(xs)  # all heads (replicated weights), my rows
         q_pe = apply_rope(q_pe, cs, attn.cfg.rope.interleaved)
-        pools = self._write(attn, xs, cs, pools, batch)
-        o_latent, _ = self._attend(attn, attn.absorb(q_nope), q_pe, pools, batch)
-        return jax.lax.all_gather(attn.output(o_latent), AXIS, axis=0, tiled=True), pools
+        c, k_pe = attn.roped_latent(xs, cs)
+        pools = self._store(c, k_pe, pools, batch)
+        o = self._values(attn, q_nope, q_pe, c, k_pe, pools, batch)
+        return jax.lax.all_gather(attn.project(o), AXIS, axis=0, tiled=True), pools
 
     def _dop(self, attn, x, cos_sin, pools, batch):
         cfg = attn.cfg

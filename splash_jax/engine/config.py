@@ -27,6 +27,12 @@ class EngineConfig:
     # GSPMD compiled the same program in 2.4 s; shardy elsewhere). A process-wide jax setting.
     partitioner: str = "auto"
     attention_impl: str = "auto"  # auto | xla | pallas
+    # A prefill chunk's attention: expanded (the cached latents expanded per head, cuDNN's fused
+    # attention on GPUs: 3.4x fewer FLOPs per pair; attention/expanded.py) | absorbed (the decode
+    # kernel per token) | auto (expanded on GPUs, absorbed elsewhere). Expanded runs in tp and dp
+    # (where a device holds the heads and pages it needs), for chunks of >= the token count below.
+    prefill_attention: str = "auto"
+    expanded_prefill_min_tokens: int = 256
     page_size: int = 64
     kv_memory_gb: float | None = None  # per device; default: kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.8
@@ -97,6 +103,15 @@ class EngineConfig:
         if self.warmup_runs == "auto":
             return self.warmup and backend != "cpu"
         return self.warmup_runs == "on"
+
+    def resolved_expanded_min_tokens(self, backend: str) -> int:
+        """Chunks of at least this many tokens run in the expanded form; 0: never."""
+        if self.prefill_attention not in ("auto", "expanded", "absorbed"):
+            raise ValueError(f"--prefill-attention must be auto, expanded or absorbed, got {self.prefill_attention!r}")
+        if self.expanded_prefill_min_tokens < 1:
+            raise ValueError(f"--expanded-prefill-min-tokens must be >= 1, got {self.expanded_prefill_min_tokens}")
+        on = self.prefill_attention == "expanded" or (self.prefill_attention == "auto" and backend == "gpu")
+        return self.expanded_prefill_min_tokens if on else 0
 
     def resolved_partitioner(self, backend: str) -> str:
         if self.partitioner not in ("auto", "shardy", "gspmd"):

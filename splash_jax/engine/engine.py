@@ -157,6 +157,7 @@ class Engine:
             self.pages_per_request, config.attention_impl, widths, config.max_num_seqs,
             extra_pages_total=self.n * self.extra_pages,
             move_pages=self.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
+            expanded_min_tokens=config.resolved_expanded_min_tokens(backend),
         )
         if config.warmup:  # with switching, every layout's steps: a switch must never compile
             layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else None
@@ -269,12 +270,13 @@ class Engine:
                     count += 1
                 moves = [None] + ([self.switcher.empty_moves()] if self.switcher is not None and ex.move_pages else [])
                 for bucket in ex.buckets(self.layout):
-                    packed = pack_step(ex.shape(self.layout, bucket), [], self.scheduler.tables, self.slot_sampling,
-                                       self.config.page_size)
-                    for move in moves:
-                        for full in (False, True) if full_sampler else (False,):
-                            ex.run(bucket, packed.rep, packed.dev, move, full)
-                            count += 1
+                    for expanded in (False, True) if ex.expands(self.layout, bucket) else (False,):
+                        packed = pack_step(ex.shape(self.layout, bucket, expanded), [], self.scheduler.tables,
+                                           self.slot_sampling, self.config.page_size)
+                        for move in moves if not expanded else [None]:
+                            for full in (False, True) if full_sampler else (False,):
+                                ex.run(bucket, packed.rep, packed.dev, move, full, expanded)
+                                count += 1
             self._switch_while_idle(start)
         finally:
             self.policy = policy
@@ -373,28 +375,37 @@ class Engine:
             return self.executor.pick(max(tokens), max(requests))
         return self.executor.pick(sum(c.num_tokens for c in chunks), len(chunks))
 
-    def _pack(self, chunks: list[ScheduledChunk]):
+    def _pack(self, chunks: list[ScheduledChunk], expand: bool = True):
+        """-> (bucket, expanded, packed). expand=False: never the expanded-prefill program."""
         for c in chunks:  # a request that just took a slot: write its sampling row once
             r = c.request
             if self._slot_request[r.slot] is not r:
                 self.slot_sampling.assign(r.slot, r.params, r.sample_seed)
                 self._slot_request[r.slot] = r
         bucket = self._bucket(chunks)
-        shape = self.executor.shape(self.layout, bucket)
-        return bucket, pack_step(shape, chunks, self.scheduler.tables, self.slot_sampling, self.config.page_size)
+        ex = self.executor
+        expanded = expand and ex.expands(self.layout, bucket) and any(
+            c.num_tokens >= ex.expanded_min_tokens for c in chunks
+        )
+        shape = ex.shape(self.layout, bucket, expanded)
+        packed = pack_step(shape, chunks, self.scheduler.tables, self.slot_sampling, self.config.page_size,
+                           span_min_tokens=ex.expanded_min_tokens)
+        return bucket, expanded, packed
 
     def _dispatch(self, chunks: list[ScheduledChunk]) -> InFlight | None:
         try:
-            bucket, packed = self._pack(chunks)
+            bucket, expanded, packed = self._pack(chunks)
         except Exception as e:  # noqa: BLE001 - host-side: find the requests that cause it, fail only them
             chunks = self._isolate(chunks, e)
             if not chunks:
                 return None
-            bucket, packed = self._pack(chunks)
+            bucket, expanded, packed = self._pack(chunks)
         move = self.switcher.step_moves() if self.switcher is not None else None
+        if expanded and move is not None:  # moving programs have no expanded variant
+            bucket, expanded, packed = self._pack(chunks, expand=False)
         try:
             full = any(needs_full(c.request.params) for c in chunks)
-            result = self.executor.run(bucket, packed.rep, packed.dev, move, full)
+            result = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded)
         except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
             self._recover(e, chunks)
             return None

@@ -89,7 +89,8 @@ def param_path(path) -> tuple[str, ...]:
 
 def _local(batch: StepInput) -> StepInput:
     """Inside shard_map the per-device fields arrive as [1, ...]: drop that axis."""
-    return dataclasses.replace(batch, **{f: getattr(batch, f)[0] for f in PER_DEVICE_FIELDS})
+    fields = PER_DEVICE_FIELDS + (("prefill_span",) if batch.prefill_span is not None else ())
+    return dataclasses.replace(batch, **{f: getattr(batch, f)[0] for f in fields})
 
 
 def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str):
@@ -102,11 +103,16 @@ def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str):
         return nnx.merge(graphdef, state)(kv, _local(batch), ctx=ctx)
 
     kv_specs = jax.tree.map(lambda _: POOL_SPEC, kv)
-    batch_specs = StepInput(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P())
-    return jax.shard_map(
-        per_device, mesh=mesh, in_specs=(param_specs(state, layout), kv_specs, batch_specs),
-        out_specs=(P(), kv_specs), check_vma=False,
-    )
+
+    def mapped(state, kv, batch):
+        span = None if batch.prefill_span is None else P(AXIS)
+        batch_specs = StepInput(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), span)
+        return jax.shard_map(
+            per_device, mesh=mesh, in_specs=(param_specs(state, layout), kv_specs, batch_specs),
+            out_specs=(P(), kv_specs), check_vma=False,
+        )(state, kv, batch)
+
+    return mapped
 
 
 @jax.tree_util.register_dataclass
@@ -137,6 +143,7 @@ class StepExecutor:
     def __init__(
         self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
+        expanded_min_tokens: int = 0,
     ):
         self.graphdef, state = nnx.split(model)
         leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -153,13 +160,16 @@ class StepExecutor:
         self.max_rows = self.n * ladder[1]  # rows of the padded sampled-token vector, every layout
         self.extra_pages_total = extra_pages_total  # size of the extra segment when it exists
         self.move_pages = move_pages  # pages per device pair in a `moving` program (0: none)
+        # Buckets of at least this many tokens get an `expanded` variant (a prefill chunk in the
+        # expanded form, attention/expanded.py) in layouts that can run it; 0: none.
+        self.expanded_min_tokens = expanded_min_tokens
         self.replicated = NamedSharding(mesh, P())
         self.per_device = NamedSharding(mesh, P(AXIS))
         self.pool_sharding = NamedSharding(mesh, POOL_SPEC)
         vocab = model.cfg.vocab_size
         self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
         self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
-        self._compiled: dict[tuple[str, Bucket, bool, bool], object] = {}
+        self._compiled: dict[tuple[str, Bucket, bool, bool, bool], object] = {}
         self.num_compiled = 0
         self.compile_seconds = 0.0
         self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
@@ -214,16 +224,21 @@ class StepExecutor:
         and queries on that device, so TP's programs serve all four (compiled once, not four times)."""
         return LAYOUTS["tp"] if self.n == 1 else layout
 
-    def shape(self, layout: Layout, bucket: Bucket) -> StepShape:
+    def shape(self, layout: Layout, bucket: Bucket, expanded: bool = False) -> StepShape:
         layout = self.program_layout(layout)
         return StepShape(
             bucket.tokens, bucket.requests, self.n, self.kv_abstract(layout).num_segments, self.pages_per_request,
-            layout.owner_rows, self.widths,
+            layout.owner_rows, self.widths, expanded,
         )
 
+    def expands(self, layout: Layout, bucket: Bucket) -> bool:
+        """Whether (layout, bucket) has an `expanded` program (a long prefill chunk's attention in
+        the expanded form)."""
+        return (0 < self.expanded_min_tokens <= bucket.tokens) and self.program_layout(layout).expanded_prefill
+
     # --- programs -------------------------------------------------------------------------------
-    def _program(self, layout: Layout, bucket: Bucket, moving: bool, full: bool):
-        shape = self.shape(layout, bucket)
+    def _program(self, layout: Layout, bucket: Bucket, moving: bool, full: bool, expanded: bool):
+        shape = self.shape(layout, bucket, expanded)
         ctx = ShardedContext(layout, self.n, self.impl)
         graphdef, treedef, max_rows = self.graphdef, self.treedef, self.max_rows
 
@@ -251,8 +266,8 @@ class StepExecutor:
         )
         return jax.jit(mapped, donate_argnums=(1, 2)), shape
 
-    def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False):
-        fn, shape = self._program(layout, bucket, moving, full)
+    def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False):
+        fn, shape = self._program(layout, bucket, moving, full, expanded)
         rep = jax.ShapeDtypeStruct((shape.replicated_spec().size,), jnp.int32, sharding=self.replicated)
         dev = jax.ShapeDtypeStruct((self.n, shape.device_spec().size), jnp.int32, sharding=self.per_device)
         prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
@@ -277,20 +292,22 @@ class StepExecutor:
         self, layouts: list[Layout] | None = None, moving: bool = False, show_progress: bool = True, threads: int = 1,
     ) -> float:
         """Compile every (layout, bucket) program with both samplers (greedy, full) and, when
-        switching, the `moving` variants. threads > 1: lowering stays in this thread (tracing holds
+        switching, the `moving` variants, plus the `expanded` variants (not moving) of the buckets
+        that have one (`expands`). threads > 1: lowering stays in this thread (tracing holds
         the GIL) and each lowered program is compiled in a pool as soon as it is lowered;
         threads 0: `auto_compile_threads()`."""
         layouts = list(dict.fromkeys(self.program_layout(l) for l in (layouts or [self.layout])))
         variants = (False, True) if moving and self.move_pages else (False,)
-        todo = [(lay, b, m, f) for lay in layouts for b in self.buckets(lay) for m in variants for f in (False, True)
-                if (lay.name, b, m, f) not in self._compiled]
+        todo = [(lay, b, m, f, e) for lay in layouts for b in self.buckets(lay) for m in variants for f in (False, True)
+                for e in ((False, True) if self.expands(lay, b) and not m else (False,))
+                if (lay.name, b, m, f, e) not in self._compiled]
         workers = max(1, min(len(todo), threads or auto_compile_threads()))
         with self.compile_stats.track("steps") as rec, tqdm(
             total=len(todo), desc="compiling steps", unit="program", disable=not show_progress, leave=False,
         ) as bar:
             if workers == 1:  # lower and compile one program at a time
-                for lay, b, m, f in todo:
-                    self._compiled[(lay.name, b, m, f)] = self._compile(self.lower(lay, b, m, f))
+                for lay, *key in todo:
+                    self._compiled[(lay.name, *key)] = self._compile(self.lower(lay, *key))
                     bar.update()
             else:
                 # XLA's GPU compiler recurses deeply: a worker thread with the default stack crashed
@@ -304,8 +321,8 @@ class StepExecutor:
                     threading.stack_size(previous)
                 with pool:
                     for future in concurrent.futures.as_completed(futures):
-                        lay, b, m, f = futures[future]
-                        self._compiled[(lay.name, b, m, f)] = future.result()
+                        lay, *key = futures[future]
+                        self._compiled[(lay.name, *key)] = future.result()
                         bar.update()
             rec["programs"] = len(todo)
         self.num_compiled += len(todo)
@@ -316,12 +333,12 @@ class StepExecutor:
         )
         return rec["seconds"]
 
-    def compiled(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False):
+    def compiled(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False):
         layout = self.program_layout(layout)
-        key = (layout.name, bucket, moving, full)
+        key = (layout.name, bucket, moving, full, expanded)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up; compiles once per bucket
-            program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full))
+            program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded))
             self.num_compiled += 1
         return program
 
@@ -332,10 +349,16 @@ class StepExecutor:
         raise ValueError(f"no bucket holds {num_tokens} tokens / {num_requests} requests per device")
 
     # --- running --------------------------------------------------------------------------
-    def run(self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False) -> StepResult:
+    def run(
+        self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
+        expanded: bool = False,
+    ) -> StepResult:
         """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced.
-        full: the sampler with random draws, top-n logprobs and penalties (sampler.needs_full)."""
-        program = self.compiled(self.layout, bucket, move is not None, full)
+        full: the sampler with random draws, top-n logprobs and penalties (sampler.needs_full).
+        expanded: the program with a prefill_span (packed with `shape(..., expanded=True)`)."""
+        if expanded and move is not None:
+            raise ValueError("a step that moves pages has no expanded-prefill program")
+        program = self.compiled(self.layout, bucket, move is not None, full, expanded)
         inputs = [jax.device_put(rep, self.replicated), jax.device_put(dev, self.per_device)]
         if move is not None:
             inputs.append(jax.device_put(move, self.per_device))

@@ -77,6 +77,8 @@ class StepShape:
     pages: int  # M: page-table width (pages a request may hold on one device)
     owner_rows: bool
     widths: SamplerWidths
+    expanded: bool = False  # the program runs one prefill chunk per device in the expanded form
+
 
     @property
     def total_tokens(self) -> int:
@@ -102,7 +104,7 @@ class StepShape:
             Field("token_request", (t,), np.int32), Field("write_offset", (t,), np.int32),
             Field("write_page", (g, t), np.int32), Field("kv_lens", (g, t), np.int32),
             Field("page_table", (g, self.requests, self.pages), np.int32),
-        ))
+        ) + ((Field("prefill_span", (2,), np.int32),) if self.expanded else ()))
 
 
 def unpack_step(shape: StepShape, rep: jax.Array, dev: jax.Array, prev_tokens: jax.Array):
@@ -113,7 +115,7 @@ def unpack_step(shape: StepShape, rep: jax.Array, dev: jax.Array, prev_tokens: j
     tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], r["tokens"])
     batch = StepInput(
         tokens, r["positions"], d["token_request"], d["write_page"], d["write_offset"], d["kv_lens"],
-        d["page_table"], r["logits_index"],
+        d["page_table"], r["logits_index"], d.get("prefill_span"),
     )
     sampling = SamplingInputs(**{f.name: r["s_" + f.name] for f in dataclasses.fields(SamplingInputs)})
     return batch, sampling, r["token_slot"], r["prompt_len"]
@@ -126,7 +128,7 @@ def host_step_input(shape: StepShape, packed: "PackedStep") -> StepInput:
     per = [shape.device_spec().unpack(row) for row in packed.dev]
     d = {k: np.stack([p[k] for p in per]) for k in per[0]}
     return StepInput(r["tokens"], r["positions"], d["token_request"], d["write_page"], d["write_offset"],
-                     d["kv_lens"], d["page_table"], r["logits_index"])
+                     d["kv_lens"], d["page_table"], r["logits_index"], d.get("prefill_span"))
 
 
 class SlotSampling:
@@ -158,11 +160,13 @@ class PackedStep:
 
 def pack_step(
     shape: StepShape, chunks: Sequence, tables: PageTables, slot_sampling: SlotSampling, page_size: int,
-    all_logits: bool = False,
+    all_logits: bool = False, span_min_tokens: int = 1,
 ) -> PackedStep:
     """Pack scheduled chunks (scheduler.ScheduledChunk) into one step's buffers.
 
     all_logits: every token slot gets a logits row (the reference runner's prefill checks).
+    span_min_tokens: with shape.expanded, each device's longest chunk of at least this many
+    tokens becomes its prefill_span (attention/expanded.py); none: an empty span.
     """
     n, tq, rq, g = shape.devices, shape.tokens, shape.requests, shape.segments
     num = len(chunks)
@@ -254,14 +258,26 @@ def pack_step(
             for d in range(n):
                 page_table[d, seg, lrow, :m] = tables.compact[d, seg, slots, :m]
 
+    per_device = {"token_request": token_request, "write_offset": write_offset, "write_page": write_page,
+                  "kv_lens": kv_lens, "page_table": page_table}
+    if shape.expanded:
+        per_device["prefill_span"] = prefill_spans(n, lengths, lslot, owners if shape.owner_rows else None, span_min_tokens)
     rep = shape.replicated_spec().pack({
         "tokens": tokens, "positions": positions, "src_row": src_row, "token_slot": token_slot,
         "prompt_len": prompt_len, "logits_index": logits_index,
         **{"s_" + f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingInputs)},
     })
-    dev = shape.device_spec().pack(
-        {"token_request": token_request, "write_offset": write_offset, "write_page": write_page,
-         "kv_lens": kv_lens, "page_table": page_table},
-        lead=(n,),
-    )
+    dev = shape.device_spec().pack(per_device, lead=(n,))
     return PackedStep(rep, dev, row[samples].tolist())
+
+
+def prefill_spans(n: int, lengths: np.ndarray, lslot: np.ndarray, owners: np.ndarray | None, min_tokens: int) -> np.ndarray:
+    """[N, 2] (first slot, length) of each device's longest chunk of >= min_tokens tokens (0, 0 if
+    none). owners None: every device sees every chunk (tp, cp); else a chunk is on its owner only."""
+    spans = np.zeros((n, 2), np.int32)
+    for d in range(n):
+        mine = np.flatnonzero((lengths >= max(1, min_tokens)) & (True if owners is None else owners == d))
+        if len(mine):
+            best = mine[np.argmax(lengths[mine])]
+            spans[d] = (lslot[best], lengths[best])
+    return spans

@@ -102,6 +102,9 @@ class StepInput:
     kv_lens: jax.Array  # [T] int32, positions the token attends to (its position + 1; 0 = padding)
     page_table: jax.Array  # [R, M] int32
     logits_index: jax.Array  # [N] int32, token slots whose logits are wanted
+    # [2] int32 per device (first token slot, length): one prefill chunk whose attention runs in
+    # the expanded form (attention/expanded.py); None in programs without that path.
+    prefill_span: jax.Array | None = None
 
 
 def layer_batch(batch: StepInput, layer, pages: tuple[int, ...], num_layers: int) -> StepInput:
@@ -129,3 +132,9 @@ def layer_batch(batch: StepInput, layer, pages: tuple[int, ...], num_layers: int
 def write_kv(pool: jax.Array, values: jax.Array, pages: jax.Array, offsets: jax.Array) -> jax.Array:
     """Scatter one value row per token into its (page, offset) slot; out-of-range pages are dropped."""
     return pool.at[pages, offsets].set(values.astype(pool.dtype), mode="drop")
+
+
+def store_latent(pools, latent: jax.Array, rope_key: jax.Array, pages: jax.Array, offsets: jax.Array):
+    """Scatter latents [T, L] and roped keys [T, R] into one segment's (latent, rope) pools."""
+    latent_pool, rope_pool = pools
+    return write_kv(latent_pool, latent, pages, offsets), write_kv(rope_pool, rope_key, pages, offsets)

@@ -66,6 +66,13 @@ class Layout:
         """A request of this layout has one owner device worth keeping across a switch."""
         return self.kv_placement is OWNER
 
+    @property
+    def expanded_prefill(self) -> bool:
+        """A device holds every head it computes for its query rows and every page of their
+        requests (tp: local heads, replicated pages; dp: all heads, own requests), so a prefill
+        chunk can expand its cached latents per head on the device (attention/expanded.py)."""
+        return self.kv_placement is REPLICATED or (self.kv_placement is OWNER and not self.heads_sharded)
+
     def param_spec(self, path: tuple) -> P:
         """The leaf's spec from the one rule table; stacked layer groups add a leading (unsharded) layer axis."""
         role = str(path[-1])

@@ -1,0 +1,127 @@
+"""Prefill attention in the expanded (MHA) form: cached latents expanded to per-head keys and values.
+
+The absorbed form (the decode path) costs 2 * (L + R + L) = 2,176 FLOPs per head per (query, key)
+pair (L = 512 latent, R = 64 rope); expanding each key's latent once to per-head keys
+(Dn + R = 192) and values (Dv = 128) makes a pair cost 2 * (192 + 128) = 640, 3.4x fewer, for
+2 * L * (Dn + Dv) FLOPs per key and head to expand. A long chunk pays the expansion once per key
+and the pairs once per query token, so it wins (vLLM and SGLang run MLA prefill this way). One
+H200 (`benchmarks/probes/mha_prefill.py`): cuDNN's fused attention runs an 8K chunk over 64K keys in
+the expanded form in 9.2 ms (598 TFLOP/s); the absorbed Pallas kernel takes 97 ms for the same chunk.
+
+One chunk per device per step (StepInput.prefill_span: its first token slot and length). Its keys:
+  - the request's cached prefix: compact slots [0, prefix) of each pool segment on this device,
+    read in blocks of `block_tokens` by a loop whose trip count follows the prefix length;
+  - the chunk's own latents, computed this step, causal.
+Keys may be visited in any order (the rope part of a cached key already carries its position),
+so a segment's compact slots need no positions. Partial results merge exactly by log-sum-exp.
+Needs every head it computes and every page of the request on the device: tp and dp
+(`Layout.expanded_prefill`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_BLOCK_TOKENS = 4096
+
+
+def attend(q, k, v, q_len, kv_len, causal: bool, scale: float, impl: str):
+    """Softmax attention of q [T, H, Dk] over k [S, H, Dk], v [S, H, Dv].
+
+    Query rows >= q_len and keys >= kv_len are masked (traced scalars); causal: query i sees keys
+    j <= i (T == S). Returns (out [T, H, Dv] float32, lse [T, H] float32, natural log, -inf for a
+    row that sees no key). impl: "cudnn" (jax's cuDNN fused attention; GPU, bf16/f16) or "xla".
+    """
+    if impl == "cudnn":
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        mask = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
+        lens = lambda n: jnp.reshape(jnp.maximum(n, 1), (1,)).astype(jnp.int32)  # empty: masked below
+        out, lse = fa.dot_product_attention(
+            q[None], k[None], v[None], q_seqlen=lens(q_len), kv_seqlen=lens(kv_len), scale=scale,
+            mask_type=mask, qkv_layout="BTNH", return_residual=True,
+        )
+        lse = lse[0].T  # [N, T] -> [T, N]
+        rows = (jnp.arange(q.shape[0]) < q_len)[:, None] & (kv_len > 0)
+        return jnp.where(rows[..., None], out[0].astype(jnp.float32), 0.0), jnp.where(rows, lse, -jnp.inf)
+    s = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    t, n = jnp.arange(q.shape[0]), jnp.arange(k.shape[0])
+    visible = (n[None, :] < kv_len) & (t[:, None] < q_len)
+    if causal:
+        visible &= n[None, :] <= t[:, None]
+    s = jnp.where(visible[None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(s - m_safe[..., None])
+    l = p.sum(axis=-1)
+    seen = l > 0
+    out = jnp.einsum("hts,shd->thd", p, v.astype(jnp.float32)) / jnp.where(seen, l, 1.0).T[..., None]
+    lse = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return out, lse.T
+
+
+def merge(o1, lse1, o2, lse2):
+    """Exact merge of two partial attentions over disjoint key sets ([T, H, D], [T, H])."""
+    lse = jnp.logaddexp(lse1, lse2)
+    safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+    w1, w2 = jnp.exp(lse1 - safe), jnp.exp(lse2 - safe)
+    return o1 * w1[..., None] + o2 * w2[..., None], lse
+
+
+def expand(latent, rope_key, w_uk, w_uv):
+    """Latents [S, L] and roped keys [S, R] -> per-head keys [S, H, Dn + R] and values [S, H, Dv]."""
+    k_nope = jnp.einsum("sl,lhn->shn", latent, w_uk)
+    k_rope = jnp.broadcast_to(rope_key[:, None, :].astype(k_nope.dtype), k_nope.shape[:2] + rope_key.shape[-1:])
+    return jnp.concatenate([k_nope, k_rope], axis=-1), jnp.einsum("sl,lhv->shv", latent, w_uv)
+
+
+def chunk_attention(
+    q_nope, q_pe, latent, rope_key, pools, page_rows, prefix_lens, span_len, w_uk, w_uv, scale: float,
+    impl: str, block_tokens: int | None = None,
+):
+    """Attention of one chunk's queries over its cached prefix and itself, in the expanded form.
+
+    q_nope [T, H, Dn], q_pe [T, H, R] (roped): the chunk's queries in order from row 0 (rows >=
+    span_len are padding); latent [T, L], rope_key [T, R] (roped): the chunk's own keys, same rows;
+    pools: per segment (latent [P, S, L], rope [P, S, R]) of this layer; page_rows: per segment the
+    request's compact page ids [M]; prefix_lens: per segment the prefix's slots in it (scalars).
+    Returns the per-head values [T, H, Dv] (float32; zero past span_len). block_tokens: prefix
+    keys expanded per loop iteration (default DEFAULT_BLOCK_TOKENS).
+    """
+    block_tokens = block_tokens or DEFAULT_BLOCK_TOKENS
+    q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+    k, v = expand(latent.astype(q.dtype), rope_key, w_uk, w_uv)
+    out, lse = attend(q, k, v, span_len, span_len, True, scale, impl)
+    for (lat_pool, rope_pool), row, prefix in zip(pools, page_rows, prefix_lens):
+        page = lat_pool.shape[1]
+        per_block = max(1, min(block_tokens, row.shape[0] * page) // page)
+        blocks = -(-row.shape[0] // per_block)
+        row = jnp.pad(row, (0, blocks * per_block - row.shape[0]))
+
+        def body(b, carry, lat_pool=lat_pool, rope_pool=rope_pool, row=row, prefix=prefix, per_block=per_block):
+            o, l = carry
+            pages = jax.lax.dynamic_slice_in_dim(row, b * per_block, per_block)
+            pages = jnp.clip(pages, 0, lat_pool.shape[0] - 1)
+            size = per_block * page
+            kb, vb = expand(lat_pool[pages].reshape(size, -1).astype(q.dtype), rope_pool[pages].reshape(size, -1), w_uk, w_uv)
+            ob, lb = attend(q, kb, vb, span_len, jnp.clip(prefix - b * size, 0, size), False, scale, impl)
+            return merge(o, l, ob, lb)
+
+        num = jnp.minimum((prefix + per_block * page - 1) // (per_block * page), blocks)
+        out, lse = jax.lax.fori_loop(0, num, body, (out, lse))
+    return out
+
+
+def span_rows(span, num_tokens: int):
+    """For span = (first token slot, length) of a step's T slots: (mask of the span's slots [T],
+    each slot's row in the chunk [T], each chunk row's slot [T]) (indices clipped into range)."""
+    t = jnp.arange(num_tokens)
+    start, length = span[0], span[1]
+    in_span = (t >= start) & (t < start + length)
+    return in_span, jnp.clip(t - start, 0, num_tokens - 1), jnp.clip(t + start, 0, num_tokens - 1)
+
+
+def default_impl(dtype) -> str:
+    """cuDNN's fused attention on GPUs for 16-bit inputs (what it takes), XLA otherwise."""
+    return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
