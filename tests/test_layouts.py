@@ -119,7 +119,7 @@ def _attention_hlo(name):
     def block(state, x, cos_sin, latent, rope, batch):
         attn = nnx.merge(graphdef, state)
         local = {k: v[0] for k, v in batch.items()}
-        local = type("B", (), local)
+        local = type("B", (), {"prefill_span": None, **local})  # a StepInput without the expanded path
         out, pools = ctx.attention(attn, x, cos_sin, ((latent, rope),), local)
         return out, pools[0]
 
