@@ -202,12 +202,13 @@ def test_engine_greedy_outputs_with_expanded_prefill_equal_absorbed_and_compile_
     params = SamplingParams(max_tokens=6)
     kw = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=32, compile_cache_dir=None)
     absorbed = [o.token_ids for o in Engine(EngineConfig(warmup=False, **kw)).generate(prompts, params)]
-    engine = Engine(EngineConfig(layout="tp", num_devices=N, prefill_attention="expanded", expanded_prefill_min_tokens=16, **kw))
+    engine = Engine(EngineConfig(layout="tp", num_devices=2, prefill_attention="expanded", expanded_prefill_min_tokens=16,
+                                 min_token_bucket=32, **kw))  # one bucket: 2 programs + 2 expanded ones
     compiled = engine.executor.num_compiled
     assert any(key[-1] for key in engine.executor._compiled), "warm-up compiled no expanded program"
     assert [o.token_ids for o in engine.generate(prompts, params)] == absorbed
     assert engine.executor.num_compiled == compiled
-    dp = Engine(EngineConfig(layout="dp", num_devices=N, prefill_attention="expanded", expanded_prefill_min_tokens=4,
+    dp = Engine(EngineConfig(layout="dp", num_devices=2, prefill_attention="expanded", expanded_prefill_min_tokens=4,
                              warmup=False, **kw))
     assert [o.token_ids for o in dp.generate(prompts, params)] == absorbed
 

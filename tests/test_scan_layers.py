@@ -18,6 +18,7 @@ def _model(cfg, scan):
     return DeepseekForCausalLM(cfg, RuntimeOptions(dtype="float32", attention_impl="xla", scan_layers=scan), nnx.Rngs(0))
 
 
+@pytest.mark.slow  # 45 s on a 2-core host; the unrolled form is kept for comparisons only
 def test_scanned_and_unrolled_models_give_the_same_logits():
     cfg = tiny_config(num_layers=4)  # 1 dense + 3 MoE layers
     got = {}
