@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import table, write_results
+from benchmarks.profiling import device_busy
 from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 
@@ -89,6 +90,8 @@ def main(argv=None):
                         help="prefill forms (absorbed, expanded, auto), one engine each per impl")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--top-kernels", type=int, default=0,
+                        help="profile one more run per prompt: GPU busy time and the K largest kernels")
     parser.add_argument("--kv-memory-gb", type=float, default=8.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -122,6 +125,14 @@ def main(argv=None):
                 times.append(time.perf_counter() - t)
             if out.error:
                 raise RuntimeError(f"prefill of {n} tokens failed: {out.error}")
+            busy = None
+            if args.top_kernels:
+                prof = device_busy(lambda: engine.generate([prompt], params), 1, top=args.top_kernels)
+                busy = {"busy_s": prof.busy_ms / 1e3 if prof.busy_ms is not None else None, "kernels": prof.kernels,
+                        "top_kernels_ms": [(name, us / 1e3, k) for name, us, k in prof.top]}
+                log.info("%s %s %d: GPU busy %s s in %d kernels", impl, form, n, busy["busy_s"], prof.kernels)
+                for name, us, k in prof.top:
+                    log.info("  %9.2f ms %6d x  %s", us / 1e3, k, name)
             flops = prefill_flops(engine.model_config, per_token, head, n)
             absorbed = prefill_flops(engine.model_config, per_token, head, n, "absorbed")
             best = min(times)
@@ -131,6 +142,7 @@ def main(argv=None):
                 "roofline_s": flops / peak, "x_roofline": best / (flops / peak),
                 "x_roofline_absorbed": best / (absorbed / peak), "steps": -(-n // args.chunk),
                 "expanded_programs": sum(1 for key in engine.executor._compiled if key[-1]),
+                "profile": busy,
             })
             log.info("%s", rows[-1])
         del engine

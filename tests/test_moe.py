@@ -125,6 +125,24 @@ def test_pallas_grouped_kernel_matches_numpy_loop(tokens, top_k):
     np.testing.assert_allclose(np.asarray(out), _numpy_routed(x, ids, w, gate, up, down), rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_sized_steps_use_128_row_tiles_and_match_the_loop():
+    """>= 128 pairs per expert picks the prefill config (128-row tiles, several per expert, the
+    last partly filled); the kernel with it == the float64 loop."""
+    from pallas_kernels.moe_grouped import PREFILL_CONFIG, pick_config, routed_experts
+
+    assert pick_config(8192 * 6, 64, 2048, 1408).block_m == 128
+    assert pick_config(512 * 6, 64, 2048, 1408).block_m == 64  # decode sizes keep their tiles
+    rng = np.random.default_rng(7)
+    tokens, top_k, e, i, d = 150, 2, 2, 128, 128  # 300 pairs over 2 experts: 3 tiles of 128 rows each at most
+    x = rng.standard_normal((tokens, d)).astype(np.float32)
+    ids = rng.integers(0, e, (tokens, top_k)).astype(np.int32)
+    w = rng.random((tokens, top_k)).astype(np.float32)
+    gate, up, down = [(rng.standard_normal((e, i, d)) * 0.1).astype(np.float32) for _ in range(3)]
+    assert pick_config(tokens * top_k, e, d, i) == PREFILL_CONFIG
+    out = routed_experts(*map(jnp.asarray, (x, ids, w, gate, up, down)), interpret=True)
+    np.testing.assert_allclose(np.asarray(out), _numpy_routed(x, ids, w, gate, up, down), rtol=1e-5, atol=1e-5)
+
+
 def test_pallas_kernel_reads_one_layer_of_a_stack():
     """Stacked [L,E,I,D] weights + a traced layer index (the scanned model's call) == that layer alone."""
     from pallas_kernels.moe_grouped import routed_experts
