@@ -275,10 +275,10 @@ def sweep_table(rows) -> str:
     for key, rs in sorted(by.items()):
         rs.sort(key=lambda r: r["time_us"])
         lines.append(f"H={key[0]} B={key[1]} ctx={key[2]}")
-        for r in rs[:12]:
+        for r in rs[:6]:
             c = r.get("config") or {}
             lines.append(f"   {r['impl']:>7} {r['time_us']:9.1f} us {r['GBps']:6.0f} GB/s {r['TFLOPs']:6.1f} TF "
-                         f"bh={c.get('block_h')} bv={c.get('block_v')} bk={c.get('block_k')} w={c.get('num_warps')} "
+                         f"bh={c.get('block_h')} bk={c.get('block_k')} w={c.get('num_warps')} "
                          f"st={c.get('num_stages')} splits={c.get('num_splits')} cta={c.get('ctas_per_sm')}")
     return "\n".join(lines)
 
