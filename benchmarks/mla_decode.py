@@ -180,7 +180,7 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-_KEYS = {"bh": "block_h", "bk": "block_k", "bv": "block_v", "w": "num_warps", "st": "num_stages", "splits": "num_splits",
+_KEYS = {"bh": "block_h", "bk": "block_k", "w": "num_warps", "st": "num_stages", "splits": "num_splits",
          "cta": "ctas_per_sm", "mps": "min_pages_per_split", "comb": "combine", "ablate": "ablate"}
 
 

@@ -53,12 +53,10 @@ def supports(q_latent_shape, q_rope_shape, latent_shape) -> bool:
 
 def _decode_kernel(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_ref, *,
                    scale, page_size, block_k, pages_per_split, num_pages, max_len, ablate=""):
-    split, tok = pl.program_id(2), pl.program_id(3)
+    split, tok = pl.program_id(1), pl.program_id(2)
     block_h, L = ql_ref.shape
     R = qr_ref.shape[-1]
     S = page_size
-    block_v = o_ref.shape[-1]  # value columns of this program (all L, or a slice: config.block_v)
-    v0 = pl.program_id(0) * block_v
 
     kv_len = jnp.minimum(lens_ref[tok], max_len)  # never past the page table's own capacity
     start = split * (pages_per_split * S)  # this split's first KV position
@@ -79,11 +77,7 @@ def _decode_kernel(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, l
                                       mask=jnp.broadcast_to(valid[:, None], (block_k, L)), other=0)
             rope = _compat.masked_load(rope_ref, (page, rows, slice(None)),
                                        mask=jnp.broadcast_to(valid[:, None], (block_k, R)), other=0)
-            val = lat
-            if block_v != L:  # this program's value columns (a second, cached read of the tile)
-                val = _compat.masked_load(lat_ref, (page, rows, pl.ds(pl.multiple_of(v0, block_v), block_v)),
-                                          mask=jnp.broadcast_to(valid[:, None], (block_k, block_v)), other=0)
-            return lat, rope, val, valid
+            return lat, rope, valid
         # Several pages per step: a gather with fully broadcast integer indexers (it lowers to
         # one pointer tensor on Triton and to plain indexing in interpret mode).
         ppb = block_k // S
@@ -92,18 +86,17 @@ def _decode_kernel(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, l
         slot = lax.broadcasted_iota(jnp.int32, (1, S, 1), 1)
         pages3 = pages.reshape(ppb, 1, 1)
 
-        def gather(ref, width, first=0):
-            col = first + lax.broadcasted_iota(jnp.int32, (1, 1, width), 2)
+        def gather(ref, width):
+            col = lax.broadcasted_iota(jnp.int32, (1, 1, width), 2)
             x = _compat.masked_load(ref, (pages3, slot, col),
                                     mask=jnp.broadcast_to(valid3, (ppb, S, width)), other=0)
             return x.reshape(block_k, width)
 
-        lat = gather(lat_ref, L)
-        return lat, gather(rope_ref, R), lat if block_v == L else gather(lat_ref, block_v, v0), valid
+        return gather(lat_ref, L), gather(rope_ref, R), valid
 
     def body(b, carry):
         m, l, acc = carry
-        lat, rope, val, valid = load_kv(start + b * block_k)
+        lat, rope, valid = load_kv(start + b * block_k)
         if ablate == "no_qk":  # profiling variant: scores from the loaded tile, no QK matmul
             s = jnp.broadcast_to(rope.astype(jnp.float32).sum(axis=1)[None, :], (block_h, block_k))
         else:
@@ -115,13 +108,13 @@ def _decode_kernel(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, l
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l = l * alpha + p.sum(axis=1)
-        pv = lax.dot_general(p.astype(val.dtype), val, (((1,), (0,)), ((), ())),
+        pv = lax.dot_general(p.astype(lat.dtype), lat, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)
         return m_new, l, acc * alpha[:, None] + pv
 
     init = (jnp.full((block_h,), -jnp.inf, jnp.float32),
             jnp.zeros((block_h,), jnp.float32),
-            jnp.zeros((block_h, block_v), jnp.float32))
+            jnp.zeros((block_h, L), jnp.float32))
     m, l, acc = lax.fori_loop(0, num_steps, body, init)
 
     has_kv = l > 0.0
@@ -167,11 +160,9 @@ def paged_mla_decode(
     block_h = max(MIN_BLOCK_H, min(cfg.block_h, 1 << max(0, (H - 1).bit_length())))
     Hp = -(-H // block_h) * block_h
     head_blocks = Hp // block_h
-    block_v = cfg.block_v if 0 < cfg.block_v < L and L % cfg.block_v == 0 else L
-    v_blocks = L // block_v
 
     kv_blocks = -(-M // ppb)  # in units of whole-page groups: a split boundary is a page boundary
-    splits = plan_splits(cfg, T, head_blocks * v_blocks, M, num_sms())
+    splits = plan_splits(cfg, T, head_blocks, M, num_sms())
     splits = min(splits, kv_blocks)
     pages_per_split = -(-kv_blocks // splits) * ppb
     splits = -(-M // pages_per_split)
@@ -186,33 +177,30 @@ def paged_mla_decode(
     kernel = functools.partial(
         _decode_kernel, scale=float(scale), page_size=S, block_k=block_k,
         pages_per_split=pages_per_split, num_pages=P, max_len=M * S, ablate=cfg.ablate)
-    full = lambda x: pl.BlockSpec(x.shape, lambda v, h, k, t: (0,) * x.ndim)  # noqa: E731
-    # Grid (value column blocks, head blocks, splits, tokens): the programs sharing one token's KV
-    # are adjacent. Every value block writes the same lse; block 0's is kept.
+    full = lambda x: pl.BlockSpec(x.shape, lambda h, k, t: (0,) * x.ndim)  # noqa: E731
     o_parts, lse_parts = pl.pallas_call(
         kernel,
-        grid=(v_blocks, head_blocks, splits, T),
+        grid=(head_blocks, splits, T),
         in_specs=[
             full(page_table),
             full(kv_lens),
-            pl.BlockSpec((None, block_h, L), lambda v, h, k, t: (t, h, 0)),
-            pl.BlockSpec((None, block_h, R), lambda v, h, k, t: (t, h, 0)),
+            pl.BlockSpec((None, block_h, L), lambda h, k, t: (t, h, 0)),
+            pl.BlockSpec((None, block_h, R), lambda h, k, t: (t, h, 0)),
             full(latent),
             full(rope),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, block_h, block_v), lambda v, h, k, t: (t, k, h, v)),
-            pl.BlockSpec((None, None, None, block_h), lambda v, h, k, t: (t, k, v, h)),
+            pl.BlockSpec((None, None, block_h, L), lambda h, k, t: (t, k, h, 0)),
+            pl.BlockSpec((None, None, block_h), lambda h, k, t: (t, k, h)),
         ],
         out_shape=[  # varying like the queries under shard_map (every layout shards or replicates q)
             _compat.out_struct((T, splits, Hp, L), part_dtype, q_latent),
-            _compat.out_struct((T, splits, v_blocks, Hp), jnp.float32, q_latent),
+            _compat.out_struct((T, splits, Hp), jnp.float32, q_latent),
         ],
         compiler_params=_compat.triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
-        name=f"mla_decode_h{block_h}_k{block_k}_s{splits}" + (f"_v{block_v}" if v_blocks > 1 else ""),
+        name=f"mla_decode_h{block_h}_k{block_k}_s{splits}",
     )(page_table.astype(jnp.int32), kv_lens.astype(jnp.int32), q_latent, q_rope, latent, rope)
-    lse_parts = lse_parts[:, :, 0]
 
     if splits == 1:
         out, lse = o_parts[:, 0], lse_parts[:, 0]

@@ -26,10 +26,6 @@ class DecodeConfig:
 
     block_h: int = 16  # query heads per program (the M of both matmuls); power of two >= 16
     block_k: int = 64  # KV tokens per inner step; power of two
-    # Value columns per program (0 = all L): a program computes its heads' scores over the whole
-    # 576-wide key and accumulates only these columns of the output, so a 64-head tile's float32
-    # accumulator fits in registers (the QK work repeats per column block).
-    block_v: int = 0
     num_warps: int = 4
     num_stages: int = 2  # Triton software-pipelining depth of the KV loads
     num_splits: int = 0  # split-K partitions of each token's pages; 0 = chosen by `plan_splits`
