@@ -214,7 +214,7 @@ def test_engine_greedy_outputs_with_expanded_prefill_equal_absorbed_and_compile_
 
 
 def test_prefill_attention_flag_is_checked_and_auto_expands_on_gpus_only():
-    assert EngineConfig().resolved_expanded_min_tokens("gpu") == 256
+    assert EngineConfig().resolved_expanded_min_tokens("gpu") == 1024
     assert EngineConfig().resolved_expanded_min_tokens("cpu") == 0
     assert EngineConfig(prefill_attention="absorbed").resolved_expanded_min_tokens("gpu") == 0
     assert EngineConfig(prefill_attention="expanded", expanded_prefill_min_tokens=64).resolved_expanded_min_tokens("cpu") == 64
@@ -239,3 +239,22 @@ def test_cudnn_chunk_attention_equals_xla_on_gpu():
     want = jax.jit(lambda *a: expanded.chunk_attention(*a, "xla", block_tokens=1024), static_argnums=10)(*args)
     err = float(jnp.max(jnp.abs(got[:chunk] - want[:chunk])) / jnp.max(jnp.abs(want[:chunk])))
     assert err < 2e-2, err
+
+
+def test_expanded_programs_get_command_buffer_options_on_gpus_and_fall_back_if_refused():
+    from splash_jax.engine.executor import EXPANDED_GPU_OPTIONS, StepExecutor, step_compiler_options
+
+    assert "WHILE" in step_compiler_options("gpu", True, expanded=True)["xla_gpu_enable_command_buffer"]
+    assert "xla_gpu_enable_command_buffer" not in step_compiler_options("gpu", True)
+    assert step_compiler_options("cpu", True, expanded=True) == {}
+
+    class Lowered:  # an XLA that does not know the option's values
+        def compile(self, compiler_options=None):
+            if compiler_options and "xla_gpu_enable_command_buffer" in compiler_options:
+                raise RuntimeError("While setting option xla_gpu_enable_command_buffer, 'WHILE' is not a valid enum value.")
+            return ("compiled", compiler_options)
+
+    ex = StepExecutor.__new__(StepExecutor)
+    ex.compiler_options = {False: {}, True: dict(EXPANDED_GPU_OPTIONS, other=1)}
+    assert ex._compile(Lowered(), expanded=True) == ("compiled", {"other": 1})
+    assert ex.compiler_options[True] == {"other": 1}  # later compiles skip the refused option

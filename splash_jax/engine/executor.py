@@ -134,9 +134,23 @@ class StepResult:
 SCANNED_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
 
 
-def step_compiler_options(backend: str, scan_layers: bool) -> dict:
+# Expanded-prefill programs loop over the prefix in blocks (attention/expanded.py): a while loop
+# whose trip count XLA reads back on the host each iteration, stalling the stream every layer.
+# Captured in a CUDA graph (command buffer, conditional nodes) the loop runs on the device alone:
+# V2-Lite 27 layers, one H200, one-chunk prefills of 256 / 1024 / 4096 tokens 18.1 / 30.4 / 82.8 ->
+# 16.1 / 28.0 / 74.8 ms (benchmarks/prefill.py, XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL).
+# Per-compile options take no +/- modifiers: XLA's default command types, plus the two.
+EXPANDED_GPU_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
+}
+
+
+def step_compiler_options(backend: str, scan_layers: bool, expanded: bool = False) -> dict:
     """XLA options for the step programs (per compile, so a notebook's other programs keep theirs)."""
-    return dict(SCANNED_GPU_OPTIONS) if backend == "gpu" and scan_layers else {}
+    options = dict(SCANNED_GPU_OPTIONS) if backend == "gpu" and scan_layers else {}
+    if backend == "gpu" and expanded:
+        options.update(EXPANDED_GPU_OPTIONS)
+    return options
 
 
 class StepExecutor:
@@ -174,7 +188,8 @@ class StepExecutor:
         self.compile_seconds = 0.0
         self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
         backend = mesh.devices.flat[0].platform
-        self.compiler_options = step_compiler_options(backend, getattr(model.options, "scan_layers", False))
+        scanned = getattr(model.options, "scan_layers", False)
+        self.compiler_options = {e: step_compiler_options(backend, scanned, e) for e in (False, True)}
 
     # --- the device state this class owns -----------------------------------------------------
     @property
@@ -277,8 +292,17 @@ class StepExecutor:
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
         return fn.lower(*args)
 
-    def _compile(self, lowered):
-        return lowered.compile(compiler_options=self.compiler_options or None)
+    def _compile(self, lowered, expanded: bool = False):
+        options = self.compiler_options[expanded]
+        try:
+            return lowered.compile(compiler_options=options or None)
+        except Exception as e:  # an XLA that names its command types differently: compile without them
+            if "xla_gpu_enable_command_buffer" not in str(e):
+                raise
+            log.warning("XLA refused the command-buffer option (%s); expanded programs keep XLA's defaults",
+                        str(e).splitlines()[0][:200])
+            self.compiler_options[expanded] = {k: v for k, v in options.items() if k != "xla_gpu_enable_command_buffer"}
+            return lowered.compile(compiler_options=self.compiler_options[expanded] or None)
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""
@@ -307,7 +331,7 @@ class StepExecutor:
         ) as bar:
             if workers == 1:  # lower and compile one program at a time
                 for lay, *key in todo:
-                    self._compiled[(lay.name, *key)] = self._compile(self.lower(lay, *key))
+                    self._compiled[(lay.name, *key)] = self._compile(self.lower(lay, *key), key[-1])
                     bar.update()
             else:
                 # XLA's GPU compiler recurses deeply: a worker thread with the default stack crashed
@@ -316,7 +340,7 @@ class StepExecutor:
                 previous = threading.stack_size(COMPILE_THREAD_STACK)
                 try:
                     pool = concurrent.futures.ThreadPoolExecutor(workers)
-                    futures = {pool.submit(self._compile, self.lower(*key)): key for key in todo}
+                    futures = {pool.submit(self._compile, self.lower(*key), key[-1]): key for key in todo}
                 finally:
                     threading.stack_size(previous)
                 with pool:
@@ -338,7 +362,7 @@ class StepExecutor:
         key = (layout.name, bucket, moving, full, expanded)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up; compiles once per bucket
-            program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded))
+            program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded), expanded)
             self.num_compiled += 1
         return program
 
