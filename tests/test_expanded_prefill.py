@@ -213,6 +213,16 @@ def test_engine_greedy_outputs_with_expanded_prefill_equal_absorbed_and_compile_
     assert [o.token_ids for o in dp.generate(prompts, params)] == absorbed
 
 
+def test_which_chunks_are_worth_expanding():
+    w = lambda tokens, context: bool(expanded.worth_expanding(tokens, context, 1024))  # noqa: E731
+    assert not w(512, 512) and w(1024, 1024)  # one-chunk prompts: the measured crossover
+    assert w(256, 4096) and w(512, 16384)  # short chunks after a long prefix
+    assert not w(255, 100_000)  # fewer than N/4 tokens: never
+    assert not bool(expanded.worth_expanding(4096, 4096, 0))  # 0 disables
+    np.testing.assert_array_equal(expanded.worth_expanding(np.array([512, 1024, 300]), np.array([512, 1024, 4000]), 1024),
+                                  [False, True, True])
+
+
 def test_prefill_attention_flag_is_checked_and_auto_expands_on_gpus_only():
     assert EngineConfig().resolved_expanded_min_tokens("gpu") == 1024
     assert EngineConfig().resolved_expanded_min_tokens("cpu") == 0

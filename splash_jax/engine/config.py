@@ -30,8 +30,9 @@ class EngineConfig:
     # A prefill chunk's attention: expanded (the cached latents expanded per head, cuDNN's fused
     # attention on GPUs: 3.4x fewer FLOPs per pair; attention/expanded.py) | absorbed (the decode
     # kernel per token) | auto (expanded on GPUs, absorbed elsewhere). Expanded runs in tp and dp
-    # (where a device holds the heads and pages it needs), for chunks of >= the token count below
-    # (one H200, V2-Lite, one-chunk prompts: 512 tokens 10% slower expanded, 1024 4% faster, 4K 1.5x).
+    # (where a device holds the heads and pages it needs), for chunks with >= N/4 tokens and at least
+    # the query-key pairs of an N-token prompt (tokens x context >= N^2), N the count below (one H200,
+    # V2-Lite, one-chunk prompts: 512 tokens 10% slower expanded, 1024 4% faster, 4K 1.5x).
     prefill_attention: str = "auto"
     expanded_prefill_min_tokens: int = 1024
     page_size: int = 64
@@ -106,7 +107,7 @@ class EngineConfig:
         return self.warmup_runs == "on"
 
     def resolved_expanded_min_tokens(self, backend: str) -> int:
-        """Chunks of at least this many tokens run in the expanded form; 0: never."""
+        """N of attention/expanded.worth_expanding (which chunks run in the expanded form); 0: never."""
         if self.prefill_attention not in ("auto", "expanded", "absorbed"):
             raise ValueError(f"--prefill-attention must be auto, expanded or absorbed, got {self.prefill_attention!r}")
         if self.expanded_prefill_min_tokens < 1:

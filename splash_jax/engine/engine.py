@@ -34,6 +34,7 @@ from splash_jax.engine.output_processor import OutputProcessor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
 from splash_jax.engine.sampler import SamplerWidths, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
+from splash_jax.attention.expanded import worth_expanding
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
@@ -385,7 +386,7 @@ class Engine:
         bucket = self._bucket(chunks)
         ex = self.executor
         expanded = expand and ex.expands(self.layout, bucket) and any(
-            c.num_tokens >= ex.expanded_min_tokens for c in chunks
+            worth_expanding(c.num_tokens, c.start + c.num_tokens, ex.expanded_min_tokens) for c in chunks
         )
         shape = ex.shape(self.layout, bucket, expanded)
         packed = pack_step(shape, chunks, self.scheduler.tables, self.slot_sampling, self.config.page_size,

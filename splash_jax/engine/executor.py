@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from splash_jax.attention import expanded
 from splash_jax.attention.layouts import ShardedContext
 from splash_jax.compile_stats import CompileStats
 from splash_jax.engine.penalties import PenaltyState, update_history
@@ -174,8 +175,9 @@ class StepExecutor:
         self.max_rows = self.n * ladder[1]  # rows of the padded sampled-token vector, every layout
         self.extra_pages_total = extra_pages_total  # size of the extra segment when it exists
         self.move_pages = move_pages  # pages per device pair in a `moving` program (0: none)
-        # Buckets of at least this many tokens get an `expanded` variant (a prefill chunk in the
-        # expanded form, attention/expanded.py) in layouts that can run it; 0: none.
+        # Chunks worth expanding by this size (attention/expanded.worth_expanding) run in the
+        # expanded form; buckets that can hold one get an `expanded` variant in layouts that can
+        # run it; 0: none.
         self.expanded_min_tokens = expanded_min_tokens
         self.replicated = NamedSharding(mesh, P())
         self.per_device = NamedSharding(mesh, P(AXIS))
@@ -249,7 +251,10 @@ class StepExecutor:
     def expands(self, layout: Layout, bucket: Bucket) -> bool:
         """Whether (layout, bucket) has an `expanded` program (a long prefill chunk's attention in
         the expanded form)."""
-        return (0 < self.expanded_min_tokens <= bucket.tokens) and self.program_layout(layout).expanded_prefill
+        return (
+            self.expanded_min_tokens > 0 and bucket.tokens >= expanded.min_chunk_tokens(self.expanded_min_tokens)
+            and self.program_layout(layout).expanded_prefill
+        )
 
     # --- programs -------------------------------------------------------------------------------
     def _program(self, layout: Layout, bucket: Bucket, moving: bool, full: bool, expanded: bool):

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from splash_jax.attention.expanded import worth_expanding
 from splash_jax.engine.sampler import SamplerWidths, SamplingInputs
 from splash_jax.kv.cache import StepInput
 from splash_jax.kv.page_table import PageTables
@@ -165,8 +166,9 @@ def pack_step(
     """Pack scheduled chunks (scheduler.ScheduledChunk) into one step's buffers.
 
     all_logits: every token slot gets a logits row (the reference runner's prefill checks).
-    span_min_tokens: with shape.expanded, each device's longest chunk of at least this many
-    tokens becomes its prefill_span (attention/expanded.py); none: an empty span.
+    span_min_tokens: with shape.expanded, each device's chunk with the most query-key pairs among
+    those worth expanding (attention/expanded.worth_expanding) becomes its prefill_span; none: an
+    empty span.
     """
     n, tq, rq, g = shape.devices, shape.tokens, shape.requests, shape.segments
     num = len(chunks)
@@ -261,7 +263,8 @@ def pack_step(
     per_device = {"token_request": token_request, "write_offset": write_offset, "write_page": write_page,
                   "kv_lens": kv_lens, "page_table": page_table}
     if shape.expanded:
-        per_device["prefill_span"] = prefill_spans(n, lengths, lslot, owners if shape.owner_rows else None, span_min_tokens)
+        per_device["prefill_span"] = prefill_spans(
+            n, lengths, starts, lslot, owners if shape.owner_rows else None, span_min_tokens)
     rep = shape.replicated_spec().pack({
         "tokens": tokens, "positions": positions, "src_row": src_row, "token_slot": token_slot,
         "prompt_len": prompt_len, "logits_index": logits_index,
@@ -271,13 +274,17 @@ def pack_step(
     return PackedStep(rep, dev, row[samples].tolist())
 
 
-def prefill_spans(n: int, lengths: np.ndarray, lslot: np.ndarray, owners: np.ndarray | None, min_tokens: int) -> np.ndarray:
-    """[N, 2] (first slot, length) of each device's longest chunk of >= min_tokens tokens (0, 0 if
-    none). owners None: every device sees every chunk (tp, cp); else a chunk is on its owner only."""
+def prefill_spans(n: int, lengths: np.ndarray, starts: np.ndarray, lslot: np.ndarray, owners: np.ndarray | None,
+                  min_tokens: int) -> np.ndarray:
+    """[N, 2] (first slot, length) of each device's chunk worth expanding with the most query-key
+    pairs ((0, 0) if none). owners None: every device sees every chunk (tp, cp); else a chunk is on
+    its owner only."""
     spans = np.zeros((n, 2), np.int32)
+    pairs = lengths * (starts + lengths)
+    ok = worth_expanding(lengths, starts + lengths, min_tokens)
     for d in range(n):
-        mine = np.flatnonzero((lengths >= max(1, min_tokens)) & (True if owners is None else owners == d))
+        mine = np.flatnonzero(ok & (True if owners is None else owners == d))
         if len(mine):
-            best = mine[np.argmax(lengths[mine])]
+            best = mine[np.argmax(pairs[mine])]
             spans[d] = (lslot[best], lengths[best])
     return spans
