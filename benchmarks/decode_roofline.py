@@ -76,7 +76,8 @@ def main(argv=None):
     parser.add_argument("--attention-impl", default="auto")
     parser.add_argument("--kv-memory-gb", type=float, default=24.0)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--min-token-bucket", type=int, default=1, help="1: batch-1 decode runs a 1-token step")
+    parser.add_argument("--min-token-bucket", type=int, default=8,
+                        help="smallest step (the engine's default, 8); 1: batch-1 decode runs a 1-token step")
     parser.add_argument("--layout", default="tp")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--expert-weights", default="auto", help="auto | model | fp8 (routed experts in HBM)")

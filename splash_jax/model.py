@@ -157,7 +157,10 @@ class DecoderLayer(nnx.Module):
         a, pools = ctx.attention(self.attn, self.input_norm(x), cos_sin, pools, batch)
         x = x + a
         h = self.post_attn_norm(x)
-        mlp = self.mlp(h, ctx.expert_offset, layer=stack_index) if isinstance(self.mlp, MoE) else self.mlp(h)
+        if isinstance(self.mlp, MoE):
+            mlp = self.mlp(h, ctx.expert_offset, layer=stack_index, valid=batch.valid)
+        else:
+            mlp = self.mlp(h)
         return x + ctx.reduce(mlp), pools
 
 

@@ -143,6 +143,30 @@ def test_prefill_sized_steps_use_128_row_tiles_and_match_the_loop():
     np.testing.assert_allclose(np.asarray(out), _numpy_routed(x, ids, w, gate, up, down), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_padding_rows_are_routed_to_no_expert(impl):
+    """valid=False rows get no routed output (no expert is read for them); real rows are unchanged."""
+    cfg, moe = _moe("v2lite_tiny")
+    x = jax.random.normal(jax.random.key(1), (6, cfg.hidden_size), jnp.float32)
+    valid = np.array([True, False, True, True, False, False])
+    full = np.asarray(moe(x, impl=impl))
+    masked = np.asarray(moe(x, impl=impl, valid=jnp.asarray(valid)))
+    np.testing.assert_allclose(masked[valid], full[valid], rtol=1e-5, atol=1e-6)
+    shared = np.asarray(moe.shared(x)) if cfg.n_shared_experts else np.zeros_like(full)
+    np.testing.assert_allclose(masked[~valid], shared[~valid], rtol=1e-5, atol=1e-6)  # routed part: 0
+
+
+def test_router_logits_equal_the_float32_product_at_every_size():
+    from splash_jax.moe import SMALL_ROUTER_TOKENS, router_logits
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((64, 16)).astype(np.float32)
+    for t in (1, 8, SMALL_ROUTER_TOKENS, SMALL_ROUTER_TOKENS + 1):
+        x = rng.standard_normal((t, 64)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(router_logits(jnp.asarray(x), jnp.asarray(w))), x.astype(np.float64) @ w,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_pallas_kernel_reads_one_layer_of_a_stack():
     """Stacked [L,E,I,D] weights + a traced layer index (the scanned model's call) == that layer alone."""
     from pallas_kernels.moe_grouped import routed_experts

@@ -107,7 +107,8 @@ def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str):
 
     def mapped(state, kv, batch):
         span = None if batch.prefill_span is None else P(AXIS)
-        batch_specs = StepInput(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), span)
+        valid = None if batch.valid is None else P()
+        batch_specs = StepInput(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), span, valid)
         return jax.shard_map(
             per_device, mesh=mesh, in_specs=(param_specs(state, layout), kv_specs, batch_specs),
             out_specs=(P(), kv_specs), check_vma=False,
@@ -132,7 +133,16 @@ class StepResult:
 # on an H200). cuBLAS GEMMs with dynamic-slice fusion read the slice in place: with these options
 # the scanned step measured 5.46 / 11.06 / 12.92 ms at batch 1 / 32 / 128 (unrolled default
 # 6.00 / 10.73 / 12.95; docs/startup.md). The Pallas kernels are not affected.
-SCANNED_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
+SCANNED_GPU_OPTIONS = {
+    "xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True,
+    # XLA merges dots that share an input (gate|up of the shared experts, q|kv_a) by concatenating
+    # their weights, which for weights sliced from the layer stacks is a copy every layer of every
+    # step: 11.5 + 9.5 us per layer at 8 tokens on an H200 (V2-Lite decode, --top-kernels). Off.
+    "xla_gpu_dot_merger_threshold_mb": 0,
+}
+# Options a different XLA may not know or may spell differently: a compile that refuses one runs
+# without it (logged once), instead of failing the engine.
+OPTIONAL_OPTIONS = ("xla_gpu_enable_command_buffer", "xla_gpu_dot_merger_threshold_mb")
 
 
 # Expanded-prefill programs loop over the prefix in blocks (attention/expanded.py): a while loop
@@ -298,16 +308,16 @@ class StepExecutor:
         return fn.lower(*args)
 
     def _compile(self, lowered, expanded: bool = False):
-        options = self.compiler_options[expanded]
-        try:
-            return lowered.compile(compiler_options=options or None)
-        except Exception as e:  # an XLA that names its command types differently: compile without them
-            if "xla_gpu_enable_command_buffer" not in str(e):
-                raise
-            log.warning("XLA refused the command-buffer option (%s); expanded programs keep XLA's defaults",
-                        str(e).splitlines()[0][:200])
-            self.compiler_options[expanded] = {k: v for k, v in options.items() if k != "xla_gpu_enable_command_buffer"}
-            return lowered.compile(compiler_options=self.compiler_options[expanded] or None)
+        while True:
+            options = self.compiler_options[expanded]
+            try:
+                return lowered.compile(compiler_options=options or None)
+            except Exception as e:  # an XLA that does not take an optional option: compile without it
+                refused = [k for k in OPTIONAL_OPTIONS if k in options and k in str(e)]
+                if not refused:
+                    raise
+                log.warning("XLA refused %s (%s); compiling without", refused, str(e).splitlines()[0][:200])
+                self.compiler_options[expanded] = {k: v for k, v in options.items() if k not in refused}
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""

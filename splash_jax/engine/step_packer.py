@@ -116,7 +116,7 @@ def unpack_step(shape: StepShape, rep: jax.Array, dev: jax.Array, prev_tokens: j
     tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], r["tokens"])
     batch = StepInput(
         tokens, r["positions"], d["token_request"], d["write_page"], d["write_offset"], d["kv_lens"],
-        d["page_table"], r["logits_index"], d.get("prefill_span"),
+        d["page_table"], r["logits_index"], d.get("prefill_span"), r["token_slot"] >= 0,
     )
     sampling = SamplingInputs(**{f.name: r["s_" + f.name] for f in dataclasses.fields(SamplingInputs)})
     return batch, sampling, r["token_slot"], r["prompt_len"]

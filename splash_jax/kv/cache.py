@@ -105,6 +105,9 @@ class StepInput:
     # [2] int32 per device (first token slot, length): one prefill chunk whose attention runs in
     # the expanded form (attention/expanded.py); None in programs without that path.
     prefill_span: jax.Array | None = None
+    # [T] bool, replicated: real tokens (False: padding slots). The MoE routes no padding row, so
+    # padding never makes a step read another expert. None: every row counts.
+    valid: jax.Array | None = None
 
 
 def layer_batch(batch: StepInput, layer, pages: tuple[int, ...], num_layers: int) -> StepInput:
