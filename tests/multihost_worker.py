@@ -24,6 +24,7 @@ def engine_kwargs(model: str, layout: str, switching: bool) -> dict:
     return dict(
         model=model, layout=layout, num_devices=8, page_size=8, max_num_seqs=4, max_num_batched_tokens=16,
         max_pages=24, compile_cache_dir=None, warmup=False, enable_switching=switching, switch_chunk_pages=1,
+        prefill_attention="expanded", expanded_prefill_min_tokens=8,  # the follower mirrors expanded steps too
     )
 
 

@@ -63,7 +63,7 @@ class Follower:
         a = cmd.arrays
         try:
             inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"])
-            self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"])
+            self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"], cmd.fields.get("expanded", False))
         except Exception as e:  # noqa: BLE001 - process 0 sees the same failure and sends `reset`
             log.warning("mirrored step failed (%s: %s); waiting for process 0's recovery", type(e).__name__, e)
 

@@ -82,12 +82,13 @@ class LeaderExecutor:
     def __setattr__(self, name, value):
         setattr(self._inner, name, value)
 
-    def run(self, bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False):
+    def run(self, bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
+            expanded: bool = False):
         self._channel.send(Command(
-            "step", {"bucket": dataclasses.asdict(bucket), "full": bool(full), "t": time.time()},
+            "step", {"bucket": dataclasses.asdict(bucket), "full": bool(full), "expanded": bool(expanded), "t": time.time()},
             {"rep": rep, "dev": dev, "move": move},
         ))
-        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full)
+        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full, expanded)
 
     def reset_device_state(self) -> None:
         self._channel.send(Command("reset"))
