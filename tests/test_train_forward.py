@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from random_models import tiny_config, write_random_checkpoint
 from splash_jax.model import RuntimeOptions
@@ -39,6 +40,7 @@ def test_training_forward_equals_the_served_forward(tmp_path):
     assert float(aux) > 0
 
 
+@pytest.mark.slow  # 30 s on a 2-core host; the served-forward equality above runs by default
 def test_training_script_smoke_run_writes_a_loadable_model(tmp_path):
     train = _script()
     out = tmp_path / "trained"
