@@ -1,6 +1,7 @@
-"""Plots from benchmark result files (no device needed): decode roofline and switching.
+"""Plots from benchmark result files (no device needed): decode roofline, switching, prefill.
 
     python -m benchmarks.plot_results benchmarks/results/decode_roofline_gpu-*.json benchmarks/results/switching_*.json
+    python -m benchmarks.plot_results benchmarks/results/prefill_gpu-*.json
 
 Writes a PNG next to each JSON.
 """
@@ -52,12 +53,32 @@ def plot_switching(data: dict, out: Path) -> None:
     fig.savefig(out, dpi=100)
 
 
+def plot_prefill(data: dict, out: Path) -> None:
+    """Prefill time per prompt length for each (attention impl, prefill form), against the roofline."""
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in dict.fromkeys((r["impl"], r.get("prefill", "absorbed")) for r in rows):
+        sel = sorted((r for r in rows if (r["impl"], r.get("prefill", "absorbed")) == key), key=lambda r: r["tokens"])
+        ax.plot([r["tokens"] for r in sel], [r["prefill_s"] for r in sel], "o-", label=f"{key[1]} ({key[0]})")
+    sel = sorted({r["tokens"]: r for r in rows}.values(), key=lambda r: r["tokens"])
+    ax.plot([r["tokens"] for r in sel], [r["roofline_s"] for r in sel], "k--", alpha=0.6, label="FLOP roofline")
+    ax.plot([r["tokens"] for r in sel], [2 * r["roofline_s"] for r in sel], "k:", alpha=0.4, label="2x roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill seconds")
+    ax.set_title(f"prefill ({data['machine']['device_kind']}, {data['args'].get('shape') or 'bundled'})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
 def main(paths: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for p in map(Path, paths):
         data = json.loads(p.read_text())
         name = p.name.split("_")[0]
-        plotter = {"decode": plot_decode, "switching": plot_switching}.get(name)
+        plotter = {"decode": plot_decode, "switching": plot_switching, "prefill": plot_prefill}.get(name)
         if plotter is None:
             log.info("no plot for %s", p)
             continue
