@@ -13,6 +13,10 @@ Collectives per layer (N = devices):
        latent output back; psum_scatter of o_proj to owner rows, all_gather to the stream.
   cp : all_gather of q heads; local partial attention with log-sum-exp; all_to_all of the
        partials to head shards; exact merge; psum of o_proj.
+
+tp and dp (a device holds every head it computes and every page of its rows' requests) run a
+step's prefill_span, if the program has one, in the expanded form (attention/expanded.py) with no
+extra collective; the step's other tokens and every dop/cp step use the absorbed form.
 """
 
 from __future__ import annotations
