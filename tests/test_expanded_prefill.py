@@ -268,3 +268,19 @@ def test_expanded_programs_get_command_buffer_options_on_gpus_and_fall_back_if_r
     ex.compiler_options = {False: {}, True: dict(EXPANDED_GPU_OPTIONS, other=1)}
     assert ex._compile(Lowered(), expanded=True) == ("compiled", {"other": 1})
     assert ex.compiler_options[True] == {"other": 1}  # later compiles skip the refused option
+
+
+def test_an_expanded_program_that_does_not_build_leaves_its_bucket_absorbed(monkeypatch):
+    """A cuDNN that refuses the shapes (here: chunk_attention raising while the program is traced)
+    costs the expanded form, not the engine: start-up succeeds, outputs equal the absorbed form."""
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("cuDNN refuses these shapes")
+
+    monkeypatch.setattr(expanded, "chunk_attention", refuse)
+    kw = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=32, compile_cache_dir=None)
+    prompts, params = ["Latent attention " * 6, "ok"], SamplingParams(max_tokens=4)
+    want = [o.token_ids for o in Engine(EngineConfig(warmup=False, **kw)).generate(prompts, params)]
+    engine = Engine(EngineConfig(prefill_attention="expanded", expanded_prefill_min_tokens=16, min_token_bucket=32, **kw))
+    assert not any(key[-1] for key in engine.executor._compiled)
+    assert not any(engine.executor.expands(engine.layout, b) for b in engine.executor.buckets(engine.layout))
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want

@@ -189,6 +189,7 @@ class StepExecutor:
         # expanded form; buckets that can hold one get an `expanded` variant in layouts that can
         # run it; 0: none.
         self.expanded_min_tokens = expanded_min_tokens
+        self._refused_expanded: set[tuple[str, Bucket]] = set()  # (layout, bucket) whose expanded program failed to build
         self.replicated = NamedSharding(mesh, P())
         self.per_device = NamedSharding(mesh, P(AXIS))
         self.pool_sharding = NamedSharding(mesh, POOL_SPEC)
@@ -261,10 +262,20 @@ class StepExecutor:
     def expands(self, layout: Layout, bucket: Bucket) -> bool:
         """Whether (layout, bucket) has an `expanded` program (a long prefill chunk's attention in
         the expanded form)."""
+        layout = self.program_layout(layout)
         return (
             self.expanded_min_tokens > 0 and bucket.tokens >= expanded.min_chunk_tokens(self.expanded_min_tokens)
-            and self.program_layout(layout).expanded_prefill
+            and layout.expanded_prefill and (layout.name, bucket) not in self._refused_expanded
         )
+
+    def _refuse_expanded(self, layout_name: str, bucket: Bucket, error: Exception) -> None:
+        """An expanded program that does not build (say, a cuDNN that refuses the shapes) leaves its
+        bucket to the absorbed form instead of failing the engine."""
+        if (layout_name, bucket) in self._refused_expanded:
+            return
+        self._refused_expanded.add((layout_name, bucket))
+        log.warning("the expanded-prefill program of %s %s did not build (%s: %s); that bucket prefills absorbed",
+                    layout_name, bucket, type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
 
     # --- programs -------------------------------------------------------------------------------
     def _program(self, layout: Layout, bucket: Bucket, moving: bool, full: bool, expanded: bool):
@@ -346,7 +357,12 @@ class StepExecutor:
         ) as bar:
             if workers == 1:  # lower and compile one program at a time
                 for lay, *key in todo:
-                    self._compiled[(lay.name, *key)] = self._compile(self.lower(lay, *key), key[-1])
+                    try:
+                        self._compiled[(lay.name, *key)] = self._compile(self.lower(lay, *key), key[-1])
+                    except Exception as e:  # noqa: BLE001 - only an expanded variant may fail softly
+                        if not key[-1]:
+                            raise
+                        self._refuse_expanded(lay.name, key[0], e)
                     bar.update()
             else:
                 # XLA's GPU compiler recurses deeply: a worker thread with the default stack crashed
@@ -355,20 +371,34 @@ class StepExecutor:
                 previous = threading.stack_size(COMPILE_THREAD_STACK)
                 try:
                     pool = concurrent.futures.ThreadPoolExecutor(workers)
-                    futures = {pool.submit(self._compile, self.lower(*key), key[-1]): key for key in todo}
+                    futures = {}
+                    for key in todo:
+                        try:
+                            futures[pool.submit(self._compile, self.lower(*key), key[-1])] = key
+                        except Exception as e:  # noqa: BLE001 - lowering an expanded variant may fail softly
+                            if not key[-1]:
+                                raise
+                            self._refuse_expanded(key[0].name, key[1], e)
+                            bar.update()
                 finally:
                     threading.stack_size(previous)
                 with pool:
                     for future in concurrent.futures.as_completed(futures):
                         lay, *key = futures[future]
-                        self._compiled[(lay.name, *key)] = future.result()
+                        try:
+                            self._compiled[(lay.name, *key)] = future.result()
+                        except Exception as e:  # noqa: BLE001
+                            if not key[-1]:
+                                raise
+                            self._refuse_expanded(lay.name, key[0], e)
                         bar.update()
-            rec["programs"] = len(todo)
-        self.num_compiled += len(todo)
+            built = sum(1 for lay, *key in todo if (lay.name, *key) in self._compiled)
+            rec["programs"] = built
+        self.num_compiled += built
         self.compile_seconds += rec["seconds"]
         log.info(
             "compiled %d step programs (%s) in %.1fs with %d threads (%d from the persistent cache)",
-            len(todo), ",".join(l.name for l in layouts), rec["seconds"], workers, rec["cache_hits"],
+            built, ",".join(l.name for l in layouts), rec["seconds"], workers, rec["cache_hits"],
         )
         return rec["seconds"]
 
@@ -377,7 +407,12 @@ class StepExecutor:
         key = (layout.name, bucket, moving, full, expanded)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up; compiles once per bucket
-            program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded), expanded)
+            try:
+                program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded), expanded)
+            except Exception as e:
+                if expanded:  # this step fails (the engine recovers); later ones pack absorbed
+                    self._refuse_expanded(layout.name, bucket, e)
+                raise
             self.num_compiled += 1
         return program
 
