@@ -21,22 +21,33 @@ import matplotlib.pyplot as plt  # noqa: E402
 log = logging.getLogger("benchmarks.plot_results")
 
 
+def _finish_log_log(fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Log2 x, log y, labels, legend; write the PNG."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
 def plot_decode(data: dict, out: Path) -> None:
     rows = data["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for ctx in sorted({r["context"] for r in rows}):
-        sel = sorted((r for r in rows if r["context"] == ctx), key=lambda r: r["batch"])
-        batches = [r["batch"] for r in sel]
-        ax.plot(batches, [r["tokens_per_s"] for r in sel], "o-", label=f"engine, context {ctx}")
-        ax.plot(batches, [r["batch"] / r["roofline_ms"] * 1e3 for r in sel], "--", alpha=0.6, label=f"roofline, context {ctx}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch (decoding requests)")
-    ax.set_ylabel("tokens / s")
-    ax.set_title(f"decode vs roofline ({data['machine']['device_kind']}, {data['args']['shape']})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
+        for overlap in sorted({r.get("overlap", True) for r in rows}, reverse=True):  # overlapped (default), sync
+            sel = sorted((r for r in rows if r["context"] == ctx and r.get("overlap", True) == overlap),
+                         key=lambda r: r["batch"])
+            mode = "" if overlap else " (sync loop)"
+            ax.plot([r["batch"] for r in sel], [r["tokens_per_s"] for r in sel], "o-" if overlap else "x:",
+                    label=f"engine{mode}, context {ctx}")
+        sel = sorted({r["batch"]: r for r in rows if r["context"] == ctx}.values(), key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in sel], [r["batch"] / r["roofline_ms"] * 1e3 for r in sel], "--", alpha=0.6,
+                label=f"roofline, context {ctx}")
+    _finish_log_log(fig, ax, out, "batch (decoding requests)", "tokens / s",
+                    f"decode vs roofline ({data['machine']['device_kind']}, {data['args']['shape']})")
 
 
 def plot_switching(data: dict, out: Path) -> None:
@@ -63,14 +74,8 @@ def plot_prefill(data: dict, out: Path) -> None:
     sel = sorted({r["tokens"]: r for r in rows}.values(), key=lambda r: r["tokens"])
     ax.plot([r["tokens"] for r in sel], [r["roofline_s"] for r in sel], "k--", alpha=0.6, label="FLOP roofline")
     ax.plot([r["tokens"] for r in sel], [2 * r["roofline_s"] for r in sel], "k:", alpha=0.4, label="2x roofline")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("prefill seconds")
-    ax.set_title(f"prefill ({data['machine']['device_kind']}, {data['args'].get('shape') or 'bundled'})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    _finish_log_log(fig, ax, out, "prompt tokens", "prefill seconds",
+                    f"prefill ({data['machine']['device_kind']}, {data['args'].get('shape') or 'bundled'})")
 
 
 def main(paths: list[str]) -> None:
