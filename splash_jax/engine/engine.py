@@ -28,13 +28,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from splash_jax import distributed
+from splash_jax.attention.expanded import min_chunk_tokens, worth_expanding
 from splash_jax.engine.config import EngineConfig
 from splash_jax.engine.executor import StepExecutor, StepResult
 from splash_jax.engine.output_processor import OutputProcessor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
 from splash_jax.engine.sampler import SamplerWidths, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
-from splash_jax.attention.expanded import worth_expanding
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
@@ -385,8 +385,10 @@ class Engine:
                 self._slot_request[r.slot] = r
         bucket = self._bucket(chunks)
         ex = self.executor
+        floor = min_chunk_tokens(ex.expanded_min_tokens)  # decode chunks (1 token) stop at this compare
         expanded = expand and ex.expands(self.layout, bucket) and any(
-            worth_expanding(c.num_tokens, c.start + c.num_tokens, ex.expanded_min_tokens) for c in chunks
+            c.num_tokens >= floor and worth_expanding(c.num_tokens, c.start + c.num_tokens, ex.expanded_min_tokens)
+            for c in chunks
         )
         shape = ex.shape(self.layout, bucket, expanded)
         packed = pack_step(shape, chunks, self.scheduler.tables, self.slot_sampling, self.config.page_size,

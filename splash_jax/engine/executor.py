@@ -268,6 +268,17 @@ class StepExecutor:
             and layout.expanded_prefill and (layout.name, bucket) not in self._refused_expanded
         )
 
+    def _build(self, key: tuple, build):
+        """build() for the program key (layout, bucket, moving, full, expanded): an expanded variant
+        that fails (lowering or compile) is refused and gives None; any other failure raises."""
+        try:
+            return build()
+        except Exception as e:  # noqa: BLE001 - only an expanded variant may fail softly
+            if not key[-1]:
+                raise
+            self._refuse_expanded(key[0].name, key[1], e)
+            return None
+
     def _refuse_expanded(self, layout_name: str, bucket: Bucket, error: Exception) -> None:
         """An expanded program that does not build (say, a cuDNN that refuses the shapes) leaves its
         bucket to the absorbed form instead of failing the engine."""
@@ -356,13 +367,10 @@ class StepExecutor:
             total=len(todo), desc="compiling steps", unit="program", disable=not show_progress, leave=False,
         ) as bar:
             if workers == 1:  # lower and compile one program at a time
-                for lay, *key in todo:
-                    try:
-                        self._compiled[(lay.name, *key)] = self._compile(self.lower(lay, *key), key[-1])
-                    except Exception as e:  # noqa: BLE001 - only an expanded variant may fail softly
-                        if not key[-1]:
-                            raise
-                        self._refuse_expanded(lay.name, key[0], e)
+                for key in todo:
+                    program = self._build(key, lambda key=key: self._compile(self.lower(*key), key[-1]))
+                    if program is not None:
+                        self._compiled[(key[0].name, *key[1:])] = program
                     bar.update()
             else:
                 # XLA's GPU compiler recurses deeply: a worker thread with the default stack crashed
@@ -373,24 +381,19 @@ class StepExecutor:
                     pool = concurrent.futures.ThreadPoolExecutor(workers)
                     futures = {}
                     for key in todo:
-                        try:
-                            futures[pool.submit(self._compile, self.lower(*key), key[-1])] = key
-                        except Exception as e:  # noqa: BLE001 - lowering an expanded variant may fail softly
-                            if not key[-1]:
-                                raise
-                            self._refuse_expanded(key[0].name, key[1], e)
+                        lowered = self._build(key, lambda key=key: self.lower(*key))
+                        if lowered is None:
                             bar.update()
+                        else:
+                            futures[pool.submit(self._compile, lowered, key[-1])] = key
                 finally:
                     threading.stack_size(previous)
                 with pool:
                     for future in concurrent.futures.as_completed(futures):
-                        lay, *key = futures[future]
-                        try:
-                            self._compiled[(lay.name, *key)] = future.result()
-                        except Exception as e:  # noqa: BLE001
-                            if not key[-1]:
-                                raise
-                            self._refuse_expanded(lay.name, key[0], e)
+                        key = futures[future]
+                        program = self._build(key, future.result)
+                        if program is not None:
+                            self._compiled[(key[0].name, *key[1:])] = program
                         bar.update()
             built = sum(1 for lay, *key in todo if (lay.name, *key) in self._compiled)
             rec["programs"] = built

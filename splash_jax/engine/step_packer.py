@@ -80,7 +80,6 @@ class StepShape:
     widths: SamplerWidths
     expanded: bool = False  # the program runs one prefill chunk per device in the expanded form
 
-
     @property
     def total_tokens(self) -> int:
         return self.devices * self.tokens if self.owner_rows else self.tokens
