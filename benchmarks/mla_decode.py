@@ -40,6 +40,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.mla_decode import paged_mla_decode  # noqa: E402
 from pallas_kernels.mla_decode_config import DecodeConfig, pick_config  # noqa: E402
+from pallas_kernels.mla_decode_mgpu import CONFIG as MGPU_CONFIG, paged_mla_decode_mgpu  # noqa: E402
 from splash_jax.attention.paged_reference import paged_mla_attention  # noqa: E402
 
 log = logging.getLogger("mla_decode_bench")
@@ -144,6 +145,8 @@ def build(shape: Shape, impl: str, cfg: DecodeConfig | None = None, unroll: int 
     scale = 1.0 / math.sqrt(L + R)
     if impl == "xla":
         one = lambda *a: paged_mla_attention(*a, scale)  # noqa: E731
+    elif impl == "mgpu":
+        one = lambda *a: paged_mla_decode_mgpu(*a, scale, config=cfg)  # noqa: E731
     else:
         one = lambda *a: paged_mla_decode(*a, scale, config=cfg)  # noqa: E731
 
@@ -236,7 +239,7 @@ def run_grid(shapes, impls, workers, seed, sweep=False, candidates="", compile_o
             row = {"heads": s.heads, "batch": s.batch, "context": s.context, "impl": key[1],
                    "time_us": t * 1e6, "GBps": nbytes / t / 1e9, "TFLOPs": flops / t / 1e12}
             if key[1] != "xla":
-                cfg = jobs[key][2] or pick_config(s.heads, s.batch, s.pages_per_seq * s.page)
+                cfg = jobs[key][2] or (MGPU_CONFIG if key[1] == "mgpu" else pick_config(s.heads, s.batch, s.pages_per_seq * s.page))
                 row["config"] = dataclasses.asdict(cfg)
                 if ref is not None:
                     got = fn(*sets[0])[0]

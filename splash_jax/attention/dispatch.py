@@ -5,11 +5,16 @@ is one flag (`impl`, the model's `--attention-impl`) and never touches model cod
 implementations share the contract of `paged_reference.paged_mla_attention` (same arguments,
 same (out, lse) result).
 
-  "auto"   -> "pallas" on GPU when the shapes suit the kernel (power-of-two L, R >= 16 and page
-              size), else "xla" (CPU, TPU, odd test shapes).
+  "auto"   -> on a Hopper GPU with >= 64 heads per device and the DeepSeek latent (512 + 64,
+              bf16, pages of 64k): "mosaic"; on other GPUs/shapes "pallas" when the shapes suit
+              it (power-of-two L, R >= 16 and page size); else "xla" (CPU, TPU, odd test shapes).
   "xla"    -> the XLA reference, on any backend.
   "pallas" -> the Pallas Triton kernel on GPU; on CPU it runs in interpret mode (slow; for tests).
               Not available on TPU (the kernel is written for the Triton backend).
+  "mosaic" -> the Pallas Mosaic GPU kernel (wgmma + TMA; Hopper only,
+              `pallas_kernels/mla_decode_mgpu.py`): 64 heads per program, 1.5-1.9x the Triton
+              kernel at 64-128 heads on an H200 (~410-470 TFLOP/s at 128); under 64 heads the
+              Triton kernel stays (memory-bound there, and the head padding would cost).
   "pallas_grouped" -> the Pallas kernel that groups a chunk's queries so each cached page is read
               once per block of query tokens (`pallas_kernels/mla_grouped.py`; chunked prefill).
               Opt-in: exact in interpret mode, not yet compiled on a GPU.
@@ -27,7 +32,8 @@ import jax
 
 from splash_jax.attention.paged_reference import paged_mla_attention
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_grouped")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "pallas_grouped")
+MOSAIC_MIN_HEADS = 64  # below this the Triton kernel is as fast (benchmarks/mla_decode.py, H200)
 
 
 def _pallas_supports(q_latent, q_rope, latent) -> bool:
@@ -36,17 +42,32 @@ def _pallas_supports(q_latent, q_rope, latent) -> bool:
     return supports(q_latent.shape, q_rope.shape, latent.shape)
 
 
+def _mosaic_suits(q_latent, q_rope, latent) -> bool:
+    from pallas_kernels.mla_decode_mgpu import supports
+
+    return (q_latent.shape[1] >= MOSAIC_MIN_HEADS and _is_hopper()
+            and supports(q_latent.shape, q_rope.shape, latent.shape, q_latent.dtype))
+
+
+def _is_hopper() -> bool:
+    """wgmma is sm_90 only (Blackwell has tcgen05 instead)."""
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
 def resolve_impl(impl: str, q_latent=None, q_rope=None, latent=None) -> str:
-    """'auto' -> 'pallas' on GPU (for shapes the kernel takes), else 'xla'. Unknown names fail."""
+    """'auto' -> 'mosaic' or 'pallas' on GPU (for shapes the kernels take), else 'xla'. Unknown
+    names fail."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
     if impl != "auto":
         return impl
     if jax.default_backend() != "gpu":
         return "xla"
-    if q_latent is not None and not _pallas_supports(q_latent, q_rope, latent):
-        return "xla"
-    return "pallas"
+    if q_latent is None:
+        return "pallas"
+    if _mosaic_suits(q_latent, q_rope, latent):
+        return "mosaic"
+    return "pallas" if _pallas_supports(q_latent, q_rope, latent) else "xla"
 
 
 def paged_attention(q_latent, q_rope, latent, rope, page_table, kv_lens, scale, impl: str = "auto"):
@@ -57,6 +78,12 @@ def paged_attention(q_latent, q_rope, latent, rope, page_table, kv_lens, scale, 
     backend = jax.default_backend()
     if backend not in ("gpu", "cpu"):
         raise NotImplementedError(f"attention implementation {impl!r} is not available on {backend}")
+    if impl == "mosaic":
+        if backend != "gpu":
+            raise NotImplementedError("attention implementation 'mosaic' needs a Hopper GPU")
+        from pallas_kernels.mla_decode_mgpu import paged_mla_decode_mgpu
+
+        return paged_mla_decode_mgpu(q_latent, q_rope, latent, rope, page_table, kv_lens, scale)
     if impl == "pallas_grouped":
         from pallas_kernels.mla_grouped import paged_mla_grouped
 
