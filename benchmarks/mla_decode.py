@@ -184,7 +184,7 @@ def rel_err(a, b) -> float:
 
 
 _KEYS = {"bh": "block_h", "bk": "block_k", "w": "num_warps", "st": "num_stages", "splits": "num_splits",
-         "cta": "ctas_per_sm", "mps": "min_pages_per_split", "comb": "combine", "ablate": "ablate"}
+         "cta": "ctas_per_sm", "mps": "min_pages_per_split", "ms": "max_splits", "comb": "combine", "ablate": "ablate"}
 
 
 def parse_candidates(spec: str) -> list[DecodeConfig]:
@@ -206,14 +206,15 @@ def sweep_candidates(heads: int) -> list[DecodeConfig]:
     return parse_candidates("bh=32|64;bk=32|64;w=4|8;st=2|3")
 
 
-def run_grid(shapes, impls, workers, seed, sweep=False, candidates="", compile_only=False, unroll=8) -> list[dict]:
+def run_grid(shapes, impls, workers, seed, sweep=False, candidates="", compile_only=False, unroll=8,
+             sweep_impl="pallas") -> list[dict]:
     jobs = {}
     for s in shapes:
         if sweep:
             cands = parse_candidates(candidates) if candidates else sweep_candidates(s.heads)
             for i, cfg in enumerate(dict.fromkeys(cands)):
                 if cfg.num_splits <= s.pages_per_seq:  # more splits than pages would repeat a config
-                    jobs[(s, f"cfg{i}")] = (s, "pallas", cfg, unroll)
+                    jobs[(s, f"cfg{i}")] = (s, sweep_impl, cfg, unroll)
         for impl in impls:
             jobs[(s, impl)] = (s, impl, None, unroll)
     t0 = time.perf_counter()
@@ -320,6 +321,8 @@ def main(argv=None):
     ap.add_argument("--impls", default="pallas,xla")
     ap.add_argument("--sweep", action="store_true", help="time every candidate kernel config too")
     ap.add_argument("--candidates", default="", help="sweep configs, e.g. 'bh=16;bk=32|64;st=2|3 + bh=32'")
+    ap.add_argument("--sweep-impl", default="pallas", choices=("pallas", "mgpu"),
+                    help="the kernel the sweep's configs drive (mgpu: only the split fields apply)")
     ap.add_argument("--skip-ceilings", action="store_true")
     ap.add_argument("--unroll", type=int, default=8, help="calls per timed program (amortises dispatch)")
     ap.add_argument("--compile-only", action="store_true", help="compile (e.g. with XLA_FLAGS dumps) and stop")
@@ -345,7 +348,7 @@ def main(argv=None):
         shapes = [Shape(h, b, c) for h in args.heads for c in args.contexts for b in args.batches]
     impls = [i for i in args.impls.split(",") if i]
     rows = run_grid(shapes, impls, args.workers, args.seed, sweep=args.sweep, candidates=args.candidates,
-                    compile_only=args.compile_only, unroll=args.unroll)
+                    compile_only=args.compile_only, unroll=args.unroll, sweep_impl=args.sweep_impl)
 
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
