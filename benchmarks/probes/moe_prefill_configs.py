@@ -9,6 +9,9 @@ layer, bf16, uniform random top-k routing, GPU busy per call from a profiler tra
 2 x pairs x 3 x D x I.
 
   PYTHONPATH=. python benchmarks/probes/moe_prefill_configs.py [--tokens 2048,8192] [--shapes v2lite,v3]
+  # decode sizes, extra configs as block_m,gu_block_i,gu_block_d,dn_block_d,dn_block_i,warps,stages:
+  PYTHONPATH=. python benchmarks/probes/moe_prefill_configs.py --tokens 1,8 --shapes v3 --configs default \
+      --extra '16,128,128,64,128,4,3;16,64,256,128,128,4,4'
 """
 import argparse
 import logging
@@ -38,7 +41,9 @@ def main():
     parser.add_argument("--shapes", default="v2lite,v3")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--configs", default="", help="comma list of CONFIGS names (+ default, mgpu); empty: all")
+    parser.add_argument("--extra", default="", help="more configs, ';'-separated Config field tuples (see the doc)")
     args = parser.parse_args()
+    extra = {f"x{c.replace(',', '_')}": Config(*map(int, c.split(","))) for c in args.extra.split(";") if c}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     rows = []
     for shape in args.shapes.split(","):
@@ -54,6 +59,7 @@ def main():
             cases = {"default": None, **CONFIGS, "mgpu": "mgpu"}
             if args.configs:
                 cases = {n: c for n, c in cases.items() if n in args.configs.split(",")}
+            cases.update(extra)
             for name, cfg in cases.items():
                 try:
                     if cfg == "mgpu":
