@@ -23,9 +23,11 @@ the fastest grid axis, so the two programs of a 128-head token run together and 
 reads the KV from L2. Split-K over the token's pages (flash-decoding) fills the GPU when the
 batch is small; partial outputs merge in `mla_combine` as for the Triton kernel.
 
-Limits: bf16, L = 512, R = 64, page size a multiple of 64. Slots past kv_len get probability 0
-but are still multiplied in, so the pool must hold finite values there (it starts zeroed and
-only the model writes it). Under 64 heads the Triton kernel is faster (memory-bound there).
+Slots past kv_len: their scores are masked to -inf (P = 0), and in a request's last, partly
+written block each warpgroup zeroes the rows past kv_len of its value columns in shared memory
+before its P @ V (TMA copies whole blocks, and 0 x NaN is NaN: a recycled page may hold
+anything). Limits: bf16, L = 512, R = 64, page size a multiple of 64. Under 64 heads the
+Triton kernel is faster (memory-bound there).
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ def _smem(shape, dtype=jnp.bfloat16):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def _zero_rows_from(tile_ref, n):
+    """Rows >= n of a [BLOCK_K, C] shared-memory tile -> 0, visible to the next wgmma. In 64-column
+    pieces (16 registers each: the accumulator already holds 128)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for c in range(0, tile_ref.shape[-1], 64):
+        piece_ref = tile_ref.at[:, pl.ds(c, 64)]
+        piece = piece_ref[...]
+        row = plgpu.broadcasted_iota(jnp.int32, piece.shape, 0, layout=plgpu.Layout.WGMMA)
+        piece_ref[...] = jnp.where(row < n, piece, jnp.zeros_like(piece))
+    plgpu.commit_smem()
 
 
 def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_ref, *,
@@ -116,7 +131,7 @@ def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse
                 plgpu.barrier_wait(q_bar.at[i])
             qk_scale = scale * LOG2E
 
-            def step_fn(step, carry):
+            def step_fn(step, carry, last=False):
                 acc, m, l = carry
                 slot = lax.rem(step, STAGES)
                 plgpu.barrier_wait(lo_bar.at[slot])
@@ -144,6 +159,9 @@ def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse
                 plgpu.commit_smem()  # visible to warpgroup 1's wgmma (async proxy)
                 plgpu.barrier_arrive(p_ready.at[slot])
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if last:  # only a program's last block can run past kv_len
+                    tail = kv_len - (start + step * BLOCK_K)
+                    pl.when(tail < BLOCK_K)(lambda: _zero_rows_from(lat_lo.at[slot], tail))
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, lat_lo.at[slot])
@@ -157,7 +175,10 @@ def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse
                 plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), rows_layout),
                 plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), rows_layout),
             )
-            acc, m, l = lax.fori_loop(0, num_steps, step_fn, init)
+            # The last step is peeled off so the tail handling does not cost the loop registers.
+            carry = lax.fori_loop(0, jnp.maximum(num_steps - 1, 0), step_fn, init)
+            acc, m, l = lax.fori_loop(jnp.maximum(num_steps - 1, 0), num_steps,
+                                      functools.partial(step_fn, last=True), carry)
             l_s[...] = l
             plgpu.barrier_arrive(l_ready)
             has_kv = l > 0.0
@@ -169,12 +190,15 @@ def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse
         def _high_columns():
             plgpu.set_max_registers(232, action="increase")
 
-            def step_fn(step, acc):
+            def step_fn(step, acc, last=False):
                 slot = lax.rem(step, STAGES)
                 plgpu.barrier_wait(hi_bar.at[slot])
                 plgpu.barrier_wait(p_ready.at[slot])
                 alpha = plgpu.load(alpha_s.at[slot], layout=rows_layout, optimized=False)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if last:
+                    tail = kv_len - (start + step * BLOCK_K)
+                    pl.when(tail < BLOCK_K)(lambda: _zero_rows_from(lat_hi.at[slot], tail))
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, rope_s.at[slot], lat_hi.at[slot])
@@ -184,7 +208,8 @@ def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse
                 return acc
 
             init = plgpu.layout_cast(jnp.zeros((BLOCK_H, v_rest), jnp.float32), plgpu.Layout.WGMMA)
-            acc = lax.fori_loop(0, num_steps, step_fn, init)
+            acc = lax.fori_loop(0, jnp.maximum(num_steps - 1, 0), step_fn, init)
+            acc = lax.fori_loop(jnp.maximum(num_steps - 1, 0), num_steps, functools.partial(step_fn, last=True), acc)
             plgpu.barrier_wait(l_ready)
             l = plgpu.load(l_s, layout=rows_layout, optimized=False)
             l_safe = jnp.where(l > 0.0, l, 1.0)

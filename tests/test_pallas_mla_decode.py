@@ -253,14 +253,23 @@ def test_gpu_real_shapes_bf16(heads):
 @pytest.mark.parametrize("heads", [64, 96, 128])
 def test_gpu_mosaic_kernel_matches_reference(heads):
     """The Mosaic GPU kernel (>= 64 heads) against the float32 XLA path: partial last pages,
-    empty requests, lengths at the table's end, several split counts, heads padded to 64."""
+    empty requests, lengths at the table's end, several split counts, heads padded to 64, and
+    NaN in every slot no request wrote (a recycled page may hold anything)."""
     from pallas_kernels.mla_decode_mgpu import CONFIG, paged_mla_decode_mgpu
 
     seed = _seed()
     T, L, R, S, M = 9, 512, 64, 64, 40
+    P = 2 * T * M
     lens = [1, 63, 64, 65, 0, 1000, M * S, 777, 2049]
-    args = _problem(seed, T=T, H=heads, L=L, R=R, P=2 * T * M, S=S, M=M, lens=lens, dtype=jnp.bfloat16)
+    args = _problem(seed, T=T, H=heads, L=L, R=R, P=P, S=S, M=M, lens=lens, dtype=jnp.bfloat16)
     want = _reference(*args, 0.07)
+    live = np.zeros((P, S), bool)
+    for t, n in enumerate(lens):
+        for i in range(n):
+            live[np.asarray(args[4])[t, i // S], i % S] = True
+    lat, rp = np.array(args[2], np.float32), np.array(args[3], np.float32)
+    lat[~live], rp[~live] = np.nan, np.nan
+    args = (*args[:2], jnp.asarray(lat, jnp.bfloat16), jnp.asarray(rp, jnp.bfloat16), *args[4:])
     for cfg in (CONFIG, CONFIG.replace(num_splits=1), CONFIG.replace(num_splits=7)):
         _poison_device_memory(T * heads * L * 4 * 8)
         out, lse = paged_mla_decode_mgpu(*args, 0.07, config=cfg)
