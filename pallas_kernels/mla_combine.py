@@ -37,8 +37,13 @@ def combine_splits_xla(o_parts, lse_parts, out_dtype):
 
 def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits):
     block_h, L = out_ref.shape
-    m = lax.fori_loop(0, splits, lambda k, m: jnp.maximum(m, lse_ref[k, :]),
-                      jnp.full((block_h,), -jnp.inf, jnp.float32))
+
+    def scan_lse(k, carry):  # the running max, and 1 + the last split holding KV
+        m, end = carry
+        lse = lse_ref[k, :]
+        return jnp.maximum(m, lse), jnp.where(jnp.max(lse) > -jnp.inf, k + 1, end)
+
+    m, end = lax.fori_loop(0, splits, scan_lse, (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.int32(0)))
     base = jnp.where(m == -jnp.inf, 0.0, m)
 
     def body(k, carry):
@@ -46,8 +51,11 @@ def _combine_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, splits):
         w = jnp.exp(lse_ref[k, :] - base)
         return acc + w[:, None] * o_ref[k, :, :], den + w
 
-    acc, den = lax.fori_loop(0, splits, body, (jnp.zeros((block_h, L), jnp.float32),
-                                                jnp.zeros((block_h,), jnp.float32)))
+    # Partials past the last split with KV are not read: the decode kernels deal a token's pages
+    # out from split 0 (split_range), so a short request in a long table, or a padding row of the
+    # step's bucket, leaves the tail of the splits empty. (An empty split before it weighs 0.)
+    acc, den = lax.fori_loop(0, end, body, (jnp.zeros((block_h, L), jnp.float32),
+                                              jnp.zeros((block_h,), jnp.float32)))
     has_kv = den > 0.0
     den_safe = jnp.where(has_kv, den, 1.0)
     out_ref[...] = (acc / den_safe[:, None]).astype(out_ref.dtype)

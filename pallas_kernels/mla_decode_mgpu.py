@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels.mla_combine import combine_splits
+from pallas_kernels.mla_decode import split_range
 from pallas_kernels.mla_decode_config import DecodeConfig, num_sms, plan_splits
 
 LOG2E = math.log2(math.e)
@@ -80,7 +81,7 @@ def _zero_rows_from(tile_ref, n):
 
 
 def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_ref, *,
-                 scale, page_size, pages_per_split, num_pages, max_len, v_split):
+                 scale, page_size, splits, num_pages, max_len, v_split):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     dtype = ql_ref.dtype
@@ -93,8 +94,7 @@ def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse
         wg = lax.axis_index("wg")
         heads = pl.ds(h * BLOCK_H, BLOCK_H)
         kv_len = jnp.minimum(lens_ref[tok], max_len)
-        start = split * (pages_per_split * page_size)
-        end = jnp.minimum(start + pages_per_split * page_size, kv_len)
+        start, end = split_range(kv_len, split, splits, page_size)
         num_steps = lax.div(jnp.maximum(end - start, 0) + (BLOCK_K - 1), BLOCK_K)
 
         @pl.when(wg == 2)
@@ -259,7 +259,7 @@ def paged_mla_decode_mgpu(q_latent, q_rope, latent, rope, page_table, kv_lens, s
     if Hp != H:
         q_latent = jnp.pad(q_latent, ((0, 0), (0, Hp - H), (0, 0)))
         q_rope = jnp.pad(q_rope, ((0, 0), (0, Hp - H), (0, 0)))
-    body = functools.partial(_decode_body, scale=float(scale), page_size=S, pages_per_split=pages_per_split,
+    body = functools.partial(_decode_body, scale=float(scale), page_size=S, splits=splits,
                              num_pages=P, max_len=M * S, v_split=v_split)
     o_parts, lse_parts = plgpu.kernel(
         body,

@@ -117,6 +117,33 @@ def test_combine_matches_reference_merge(impl):
     assert np.all(np.asarray(got[0])[0] == 0)
 
 
+def test_split_range_deals_a_tokens_pages_from_split_zero():
+    """Each token's [0, kv_len) is cut into ordered, disjoint split ranges that start on a
+    multiple of page_multiple pages, use a prefix of the splits, and never pass the static
+    pages-per-split bound the page table is padded to."""
+    from pallas_kernels.mla_decode import split_range
+
+    S, M = 8, 40
+    for splits in (1, 3, 7, 32):
+        for multiple in (1, 2):
+            bound = -(-(-(-M // multiple)) // splits) * multiple  # the wrapper's pages_per_split
+            lens = jnp.arange(0, M * S + 1, dtype=jnp.int32)
+            ranges = [split_range(lens, jnp.int32(k), splits, S, multiple) for k in range(splits)]
+            starts = np.stack([np.asarray(a) for a, _ in ranges], 1)
+            ends = np.stack([np.asarray(b) for _, b in ranges], 1)
+            sizes = np.maximum(ends - starts, 0)
+            np.testing.assert_array_equal(sizes.sum(1), np.asarray(lens))
+            used = sizes > 0
+            assert not np.any(~used[:, :-1] & used[:, 1:]), "used splits must be a prefix"
+            for k in range(splits):
+                u = used[:, k]
+                assert np.all(starts[u, k] % (S * multiple) == 0)
+                assert np.all(ends[u, k] <= np.asarray(lens)[u])
+                assert np.all(sizes[:, k] <= bound * S)
+                if k:
+                    assert np.all(starts[u, k] == ends[u, k - 1])
+
+
 def test_plan_splits_fills_the_grid_but_not_past_the_pages():
     cfg = DecodeConfig()
     assert plan_splits(cfg, tokens=1, head_blocks=1, num_pages=256, sms=132) == cfg.max_splits
