@@ -50,13 +50,14 @@ LN2 = math.log(2.0)
 BLOCK_H = 64  # heads per program: one wgmma M
 BLOCK_K = 64  # KV tokens per step: the wgmma K of P @ V with 128-byte swizzle
 LATENT, ROPE = 512, 64
+V_SPLIT = 256  # value columns of warpgroup 0 (the rest are warpgroup 1's): 64 x 256 f32 each, wgmma N <= 256
 STAGES = 2  # KV ring depth (q + 2 stages = 216 KiB of the 227 KiB of shared memory)
 # Split-K defaults: one 216 KiB program fits per SM.
 CONFIG = DecodeConfig(block_h=BLOCK_H, block_k=BLOCK_K, ctas_per_sm=1, max_splits=32, min_pages_per_split=4)
 
 
 def supports(q_latent_shape, q_rope_shape, latent_shape, dtype) -> bool:
-    """Shapes this kernel takes: the DeepSeek latent (512 + 64), bf16, pages of 64k tokens."""
+    """Shapes this kernel takes: the DeepSeek latent (512 + 64), bf16, pages of a multiple of 64 tokens."""
     return (q_latent_shape[-1] == LATENT and q_rope_shape[-1] == ROPE and latent_shape[1] % BLOCK_K == 0
             and jnp.dtype(dtype) == jnp.bfloat16)
 
@@ -81,11 +82,11 @@ def _zero_rows_from(tile_ref, n):
 
 
 def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_ref, *,
-                 scale, page_size, splits, num_pages, max_len, v_split):
+                 scale, page_size, splits, num_pages, max_len):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     dtype = ql_ref.dtype
-    v_rest = LATENT - v_split
+    v_split, v_rest = V_SPLIT, LATENT - V_SPLIT
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(q_lo, q_hi, q_r, lat_lo, lat_hi, rope_s, alpha_s, l_s,
@@ -230,12 +231,11 @@ def _decode_body(pt_ref, lens_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_tokens", "config", "v_split"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_tokens", "config"))
 def paged_mla_decode_mgpu(q_latent, q_rope, latent, rope, page_table, kv_lens, scale: float,
-                          block_tokens: int | None = None, *, config: DecodeConfig | None = None,
-                          v_split: int = 256):
+                          block_tokens: int | None = None, *, config: DecodeConfig | None = None):
     """Drop-in for `paged_mla_decode` on Hopper GPUs (shapes: `supports`). `config` sets the
-    split-K policy (its block fields are fixed here); `v_split` the value columns of warpgroup 0."""
+    split-K policy (its block fields are fixed here)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     del block_tokens
@@ -260,7 +260,7 @@ def paged_mla_decode_mgpu(q_latent, q_rope, latent, rope, page_table, kv_lens, s
         q_latent = jnp.pad(q_latent, ((0, 0), (0, Hp - H), (0, 0)))
         q_rope = jnp.pad(q_rope, ((0, 0), (0, Hp - H), (0, 0)))
     body = functools.partial(_decode_body, scale=float(scale), page_size=S, splits=splits,
-                             num_pages=P, max_len=M * S, v_split=v_split)
+                             num_pages=P, max_len=M * S)
     o_parts, lse_parts = plgpu.kernel(
         body,
         out_type=(_compat.out_struct((T, splits, Hp, L), jnp.float32, q_latent),  # varying like q in shard_map
