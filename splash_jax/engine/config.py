@@ -26,7 +26,7 @@ class EngineConfig:
     # Shardy's GPU compile segfaulted on owner-layout (dp/dop) steps of 64 tokens per device on 2 H200s,
     # GSPMD compiled the same program in 2.4 s; shardy elsewhere). A process-wide jax setting.
     partitioner: str = "auto"
-    attention_impl: str = "auto"  # auto | xla | pallas
+    attention_impl: str = "auto"  # auto | xla | pallas (Triton) | mosaic (Hopper, >= 64 heads) | pallas_grouped
     # A prefill chunk's attention: expanded (the cached latents expanded per head, cuDNN's fused
     # attention on GPUs: 3.4x fewer FLOPs per pair; attention/expanded.py) | absorbed (the decode
     # kernel per token) | auto (expanded on GPUs, absorbed elsewhere). Expanded runs in tp and dp
