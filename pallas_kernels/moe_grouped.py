@@ -56,6 +56,11 @@ def num_tiles(num_pairs: int, num_local: int, block_m: int) -> int:
 # path's kernels took 2.1% of the decode step; with the compare, GPU busy 12.81 -> 12.62 ms and
 # 1,374 -> 1,244 kernels per step (decode_roofline --top-kernels 60).
 SMALL_PAIRS = 1024
+# Up to this many pairs (decode steps of <= 8-10 tokens) the plan also avoids XLA scatters and the
+# cumulative sum: each row finds its pair by compare-and-sum (one [rows, P] reduction) and the tile
+# offsets are a masked sum; scatters and reduce-window are separate kernels of 1-3 us each,
+# per layer.
+TINY_PAIRS = 64
 
 
 def plan_tiles(ids: jax.Array, weights: jax.Array, num_local: int, block_m: int) -> TilePlan:
@@ -82,11 +87,22 @@ def plan_tiles(ids: jax.Array, weights: jax.Array, num_local: int, block_m: int)
         rank = jnp.zeros(p, jnp.int32).at[order].set(pair - group_start[key[order]])
         counts = counts_all[:num_local]
     tiles = -(-counts // block_m)
-    tile_end = jnp.cumsum(tiles)
+    experts = jnp.arange(num_local, dtype=jnp.int32)
+    tiny = p <= TINY_PAIRS
+    if tiny:  # inclusive prefix sum as a masked sum (no reduce-window kernel)
+        tile_end = jnp.sum(jnp.where(experts[None, :] <= experts[:, None], tiles[None, :], 0), axis=1, dtype=jnp.int32)
+    else:
+        tile_end = jnp.cumsum(tiles)
     tile_off = tile_end - tiles
     slot = jnp.where(valid, tile_off[jnp.clip(key, 0, num_local - 1)] * block_m + rank, rows)
-    slot_token = jnp.zeros(rows, jnp.int32).at[slot].set(pair // k, mode="drop")
-    slot_weight = jnp.zeros(rows, jnp.float32).at[slot].set(weights.reshape(-1).astype(jnp.float32), mode="drop")
+    flat_w = weights.reshape(-1).astype(jnp.float32)
+    if tiny:  # each row's pair by compare (at most one matches), instead of two scatters
+        hit = slot[None, :] == jnp.arange(rows, dtype=jnp.int32)[:, None]
+        slot_token = jnp.sum(jnp.where(hit, (pair // k)[None, :], 0), axis=1, dtype=jnp.int32)
+        slot_weight = jnp.sum(jnp.where(hit, flat_w[None, :], 0.0), axis=1)
+    else:
+        slot_token = jnp.zeros(rows, jnp.int32).at[slot].set(pair // k, mode="drop")
+        slot_weight = jnp.zeros(rows, jnp.float32).at[slot].set(flat_w, mode="drop")
     j = jnp.arange(nt, dtype=jnp.int32)
     tile_expert = jnp.sum(tile_end[None, :] <= j[:, None], axis=1, dtype=jnp.int32)
     tile_expert = jnp.minimum(tile_expert, num_local - 1)

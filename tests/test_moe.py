@@ -220,12 +220,13 @@ def test_pallas_kernel_with_fp8_block_scaled_weights_matches_the_dequantized_loo
     assert q[0].dtype == jnp.float8_e4m3fn and q[0].nbytes == q[0].size  # one byte per weight
 
 
-@pytest.mark.parametrize("small_pairs", [512, 0])  # compare-and-sum plan; sort plan
-def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert(small_pairs, monkeypatch):
+@pytest.mark.parametrize("small_pairs,tiny_pairs", [(512, 0), (0, 0), (512, 128)])  # compare; sort; no scatter
+def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert(small_pairs, tiny_pairs, monkeypatch):
     from pallas_kernels import moe_grouped
     from pallas_kernels.moe_grouped import num_tiles, plan_tiles
 
     monkeypatch.setattr(moe_grouped, "SMALL_PAIRS", small_pairs)
+    monkeypatch.setattr(moe_grouped, "TINY_PAIRS", tiny_pairs)
     rng = np.random.default_rng(3)
     ids = rng.integers(-2, 10, (24, 3)).astype(np.int32)
     plan = plan_tiles(jnp.asarray(ids), jnp.ones(ids.shape), 8, 16)
@@ -235,6 +236,22 @@ def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert(small_pairs, m
     assert np.all(np.asarray(plan.tile_expert)[slot[local] // 16] == ids[local])
     assert np.asarray(plan.tile_live).sum() == sum(-(-np.sum(ids == e) // 16) for e in range(8))
     np.testing.assert_array_equal(np.asarray(plan.slot_token)[slot[local]], np.nonzero(local)[0])
+
+
+def test_tile_plan_forms_agree(monkeypatch):
+    """The scatter-free plan of small steps equals the scatter plan, field by field (weights too)."""
+    from pallas_kernels import moe_grouped
+    from pallas_kernels.moe_grouped import plan_tiles
+
+    rng = np.random.default_rng(5)
+    ids = jnp.asarray(rng.integers(-2, 12, (8, 6)).astype(np.int32))
+    w = jnp.asarray(rng.random((8, 6)), jnp.float32)
+    monkeypatch.setattr(moe_grouped, "TINY_PAIRS", 0)
+    want = plan_tiles(ids, w, 10, 16)
+    monkeypatch.setattr(moe_grouped, "TINY_PAIRS", 64)
+    got = plan_tiles(ids, w, 10, 16)
+    for name, a, b in zip(want._fields, got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
 def test_kernel_blocks_that_do_not_divide_are_shrunk():
