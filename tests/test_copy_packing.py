@@ -186,3 +186,57 @@ def test_plan_request_is_all_or_nothing_without_free_pages():
     with pytest.raises(OutOfPages):
         plan_request(r, get_layout("cp"), get_layout("tp"), alloc, False, 0)  # TP needs all 13 everywhere
     assert [alloc.num_free(d) for d in range(2)] == free and rest
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_planning_many_requests_at_once_equals_planning_each_in_turn(n):
+    """plan_requests (a handoff's or a planning slice's requests at once) against plan_request for
+    each request in turn: the same plans, the same pages reserved from the same free lists; new
+    plans and extensions of existing ones mixed, some requests with nothing new to plan."""
+    import copy
+    import itertools
+
+    from splash_jax.mesh.layouts import LAYOUT_NAMES, get_layout
+    from splash_jax.switch.planner import plan_request, plan_requests
+
+    rng = np.random.default_rng(10 + n)
+    for src_name, dst_name in itertools.permutations(LAYOUT_NAMES, 2):
+        src, dst = get_layout(src_name), get_layout(dst_name)
+        for base_only in (False, True):
+            alloc = PageAllocator(n, 400, 8, extra_pages_per_device=200)
+            hog = [alloc.allocate(370, d) for d in range(n)]  # some pages in the extra segment
+            reqs = [placed_request(alloc, src, int(rng.integers(n)), int(rng.integers(1, 90)), f"r{i}") for i in range(6)]
+            for d in range(n):
+                alloc.free(hog[d])
+            owners = [int(rng.integers(n)) for _ in reqs]
+            plans = [plan_request(r, src, dst, alloc, base_only, o, upto_tokens=int(rng.integers(1, r.num_computed + 1)))
+                     if rng.random() < 0.6 else None for r, o in zip(reqs, owners)]
+            items = [(r, o, r.num_computed if rng.random() < 0.8 else int(rng.integers(1, r.num_computed + 1)), p)
+                     for r, o, p in zip(reqs, owners, plans)]
+            ref_alloc, ref_items = copy.deepcopy((alloc, items))
+            got = plan_requests(items, src, dst, alloc, base_only)
+            want = [plan_request(r, src, dst, ref_alloc, base_only, o, upto_tokens=u, existing=p) for r, o, u, p in ref_items]
+            for g, w in zip(got, want):
+                assert (g.dst_pages, g.copies, g.reserved, g.held_from, g.planned_pages, g.owner) == (
+                    w.dst_pages, w.copies, w.reserved, w.held_from, w.planned_pages, w.owner), (src_name, dst_name, base_only)
+            assert alloc._free == ref_alloc._free and alloc._free_extra == ref_alloc._free_extra
+
+
+def test_planning_many_requests_is_all_or_nothing_without_free_pages():
+    import copy
+
+    from splash_jax.kv.allocator import OutOfPages
+    from splash_jax.mesh.layouts import get_layout
+    from splash_jax.switch.planner import plan_request, plan_requests
+
+    cp, tp = get_layout("cp"), get_layout("tp")
+    alloc = PageAllocator(2, 40, 8)
+    a, b = (placed_request(alloc, cp, 0, 60, r) for r in "ab")  # 8 pages each, striped
+    first = plan_request(a, cp, tp, alloc, False, 0, upto_tokens=20)
+    [alloc.allocate(alloc.num_free(d) - 6, d) for d in range(2)]  # 6 free per device: a's rest fits, b's not too
+    before, free = copy.deepcopy(first), [alloc.num_free(d) for d in range(2)]
+    with pytest.raises(OutOfPages, match="2 requests"):
+        plan_requests([(a, 0, 60, first), (b, 0, 60, None)], cp, tp, alloc, False)
+    assert [alloc.num_free(d) for d in range(2)] == free
+    assert (first.dst_pages, first.copies, first.reserved, first.planned_pages) == (
+        before.dst_pages, before.copies, before.reserved, before.planned_pages)

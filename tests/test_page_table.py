@@ -56,35 +56,53 @@ def test_append_past_the_table_width_is_refused():
 
 
 @pytest.mark.parametrize("placement", [REPLICATED, OWNER, STRIPED], ids=lambda p: p.name)
-def test_rebuilding_many_slots_at_once_equals_appending_each(placement):
-    """A handoff rewrites every running request's slot in one call; the tables must be what
-    clearing each slot and appending its pages device by device gives (other slots untouched)."""
-    rng = np.random.default_rng(11)
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_appending_to_many_slots_at_once_equals_appending_each(placement, seed):
+    """A switch records its destination's pages for many requests per call (several calls as it
+    plans, on top of pages already recorded, slots cleared between); the tables must be what
+    appending each request's pages device by device gives (other slots untouched)."""
+    rng = np.random.default_rng(seed)
     n, slots, m = 4, 8, 48
-    allocator = PageAllocator(n, 60, 16, extra_pages_per_device=60)
+    allocator = PageAllocator(n, 90, 16, extra_pages_per_device=90)
     got, want = PageTables(n, slots, m), PageTables(n, slots, m)
-    for slot in range(slots):  # earlier state in every slot, to be overwritten or kept
+    for slot in range(slots):  # earlier state in every slot, to be extended or kept
         page = allocator.allocate(1, slot % n)
         got.append(slot, slot % n, page, placement, allocator)
         reference_append(want, slot, slot % n, page, placement, allocator)
     for d in range(n):
-        allocator.allocate(allocator.num_free(d) - 60 - 8, d)  # leave 8 base pages: the rest come from the extra segment
-    chosen = [6, 1, 3, 4]
-    pages = []
-    for _ in chosen:
-        per_device = []
-        for d in range(n):
-            count = sum(1 for k in range(int(rng.integers(0, 12))) if placement.page_index(d, k, n) < m)
-            got_pages = allocator.allocate(count, d) if count else []
-            rng.shuffle(got_pages)
-            per_device.append(list(got_pages))
-        pages.append(per_device)
-    got.rebuild_many(chosen, pages, placement, allocator)
-    for slot, per_device in zip(chosen, pages):
-        want.clear(slot)
-        for d, p in enumerate(per_device):
-            if p:
-                reference_append(want, slot, d, p, placement, allocator)
-    for name in ("local_of", "before", "compact", "count", "entries"):
-        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        allocator.allocate(allocator.num_free(d) - 90 - 8, d)  # leave 8 base pages: the rest come from the extra segment
+    for _ in range(4):
+        chosen = rng.choice(slots, int(rng.integers(1, slots + 1)), replace=False).tolist()
+        pages = []
+        for slot in chosen:
+            per_device = []
+            for d in range(n):
+                entries = int(got.entries[d, slot])
+                room = sum(1 for k in range(entries, entries + int(rng.integers(0, 6))) if placement.page_index(d, k, n) < m)
+                got_pages = allocator.allocate(room, d) if room else []
+                rng.shuffle(got_pages)
+                per_device.append(list(got_pages))
+            pages.append(per_device)
+        got.append_many(chosen, pages, placement, allocator)
+        for slot, per_device in zip(chosen, pages):
+            for d, p in enumerate(per_device):
+                if p:
+                    reference_append(want, slot, d, p, placement, allocator)
+        for name in ("local_of", "before", "compact", "count", "entries"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        cleared = int(rng.integers(slots))
+        got.clear(cleared), want.clear(cleared)
     assert any(allocator.locate(p)[1].any() for per_device in pages for p in per_device if p)  # extra pages used
+
+
+@pytest.mark.parametrize("extra", [0, 7])
+def test_locate_matches_the_page_id_layout(extra):
+    """allocator.locate against the id layout its module states, page by page: base ids of device
+    d are [d*B, (d+1)*B), extra ids [N*B + d*E, N*B + (d+1)*E)."""
+    n, b = 3, 10
+    allocator = PageAllocator(n, b, 4, extra_pages_per_device=extra)
+    pages = np.arange(n * (b + extra))
+    want = [(p // b, 0, p % b) if p < n * b else ((p - n * b) // extra, 1, (p - n * b) % extra) for p in pages.tolist()]
+    for chosen in (pages, pages[: n * b], pages[::-1], pages[:0]):
+        got = allocator.locate(chosen)
+        assert list(zip(*(x.tolist() for x in got))) == [want[p] for p in chosen.tolist()]

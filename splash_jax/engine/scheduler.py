@@ -242,13 +242,13 @@ class Scheduler:
     def set_placement(self, placement: Placement) -> None:
         self.placement = placement
 
-    def replace_pages(self, moves: list[tuple[Request, list[list[int]], int]]) -> None:
+    def replace_pages(self, moves: list[tuple[Request, list[list[int]], int]], tables: PageTables) -> None:
         """A switch handed off: each (request, device_pages, owner) now holds `device_pages` under
-        the new placement; their page-table slots are rewritten together."""
+        the new placement, and `tables` (built by the switch as it planned: each moved request's
+        slot holds its new pages, every other slot is empty) replace the page tables."""
         for request, device_pages, owner in moves:
             request.device_pages, request.owner = device_pages, owner
-        self.tables.rebuild_many([r.slot for r, _, _ in moves], [pages for _, pages, _ in moves], self.placement,
-                                 self.allocator)
+        self.tables = tables
 
     # --- after a step -------------------------------------------------------------------------
     def update(self, chunks: list[ScheduledChunk], rows: list[int], tokens) -> list[TokenUpdate]:

@@ -43,7 +43,7 @@ class PageTables:
 
     def append(self, slot: int, device: int, pages: list[int], placement: Placement, allocator: PageAllocator) -> None:
         """Record pages just appended to `device_pages[device]` of the request in `slot` (a few array
-        operations however many pages; a handoff rewrites whole slots with `rebuild_many`)."""
+        operations however many pages; a switch records its destination's pages with `append_many`)."""
         if not len(pages):
             return
         _, segments, locals_ = allocator.locate(pages)
@@ -62,45 +62,42 @@ class PageTables:
             self.before[device, seg, slot] = np.cumsum(held) - held  # held pages with a smaller index
         self.entries[device, slot] = k0 + len(locals_)
 
-    def rebuild(self, slot: int, device_pages: list[list[int]], placement: Placement, allocator: PageAllocator) -> None:
-        """A request's pages changed wholesale (a layout switch): rewrite its slot."""
-        self.rebuild_many([slot], [device_pages], placement, allocator)
-
-    def rebuild_many(self, slots: list[int], device_pages: list[list[list[int]]], placement: Placement,
-                     allocator: PageAllocator) -> None:
-        """Several requests' pages changed wholesale (a handoff): rewrite their slots together, a
-        few array operations per device for all of them (not per request)."""
+    def append_many(self, slots: list[int], device_pages: list[list[list[int]]], placement: Placement,
+                    allocator: PageAllocator) -> None:
+        """Record pages appended to several requests at once: `device_pages[i][d]` were just appended
+        to device d's list of the request in `slots[i]`. A few array operations over every device
+        and request (a switch builds the destination's tables this way while it plans, so its
+        handoff only adds the last pages: rebuilding every slot there took 1.4-3.9 ms of host time
+        on the H200 host at 64 requests x 64 pages, 2 devices)."""
         if not slots:
             return
         sl = np.asarray(slots, np.int64)
         if len(np.unique(sl)) != len(sl):
-            raise ValueError("rebuild_many needs distinct slots")
-        self.local_of[:, :, sl] = -1
-        self.before[:, :, sl] = 0
-        self.compact[:, :, sl] = 0
-        self.count[:, :, sl] = 0
-        self.entries[:, sl] = 0
-        for d in range(self.n):
-            lens = np.array([len(pages[d]) for pages in device_pages], np.int64)
-            total = int(lens.sum())
-            if total == 0:
-                continue
-            pages = np.fromiter(itertools.chain.from_iterable(request[d] for request in device_pages), np.int64, count=total)
-            slot_of = np.repeat(sl, lens)
-            entry = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)  # k within its request
-            js = np.asarray(placement.page_index(d, entry, self.n))
-            if js.max() >= self.m:
-                raise ValueError(f"page index {int(js.max())} exceeds the {self.m} pages a request may hold")
-            _, segs, locals_ = allocator.locate(pages)
-            self.local_of[d, segs, slot_of, js] = locals_
-            # compact: the m-th page of (segment, slot) in entry order (= position order)
-            group = segs * self.num_slots + slot_of
-            order = np.argsort(group, kind="stable")
-            g = group[order]
-            first = np.r_[True, g[1:] != g[:-1]]
-            start = np.maximum.accumulate(np.where(first, np.arange(total), 0))
-            self.compact[d, segs[order], slot_of[order], np.arange(total) - start] = locals_[order]
-            self.count[d] += np.bincount(group, minlength=SEGMENTS * self.num_slots).reshape(SEGMENTS, self.num_slots).astype(np.int32)
-            self.entries[d, sl] = lens
-            held = (self.local_of[d][:, sl] >= 0).astype(np.int32)  # [segments, slots, M]
-            self.before[d][:, sl] = np.cumsum(held, axis=-1) - held
+            raise ValueError("append_many needs distinct slots")
+        runs = np.fromiter((len(p) for pages in device_pages for p in pages), np.int64, count=len(slots) * self.n)
+        total = int(runs.sum())
+        if total == 0:
+            return
+        chain = itertools.chain.from_iterable
+        pages = np.fromiter(chain(chain(device_pages)), np.int64, count=total)
+        first = np.repeat(np.cumsum(runs) - runs, runs)  # where each page's (request, device) run starts
+        dev = np.repeat(np.tile(np.arange(self.n), len(sl)), runs)
+        slot_of = np.repeat(sl, runs.reshape(len(sl), self.n).sum(axis=1))
+        entry = self.entries[dev, slot_of] + (np.arange(total) - first)  # k in the device's whole list
+        js = np.asarray(placement.page_index(dev, entry, self.n))
+        if js.max() >= self.m:
+            raise ValueError(f"page index {int(js.max())} exceeds the {self.m} pages a request may hold")
+        _, segs, locals_ = allocator.locate(pages)
+        self.local_of[dev, segs, slot_of, js] = locals_
+        # compact: after the pages (device, segment, slot) holds, in entry order; a run holds one
+        # (request, device)'s new pages, so a page's rank is a count within its run of its segment.
+        extra_upto = np.cumsum(segs)
+        extra_upto -= extra_upto[first] - segs[first]  # extra pages in the run up to this one
+        rank = np.where(segs == 1, extra_upto - 1, np.arange(total) - first - extra_upto)
+        self.compact[dev, segs, slot_of, self.count[dev, segs, slot_of] + rank] = locals_
+        group = (dev * SEGMENTS + segs) * self.num_slots + slot_of
+        self.count += np.bincount(group, minlength=self.count.size).reshape(self.count.shape).astype(np.int32)
+        self.entries += np.bincount(dev * self.num_slots + slot_of, minlength=self.entries.size).reshape(
+            self.entries.shape).astype(np.int32)
+        held = (self.local_of[:, :, sl] >= 0).astype(np.int32)  # [devices, segments, slots, M]
+        self.before[:, :, sl] = np.cumsum(held, axis=-1, dtype=np.int32) - held  # int32: 16x faster than int64 here

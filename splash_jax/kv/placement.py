@@ -26,21 +26,28 @@ class Placement:
         """Devices that must hold page index j of a request owned by `owner`."""
         raise NotImplementedError
 
-    def page_mask(self, js: np.ndarray, owner: int, n: int) -> np.ndarray:
+    def page_mask(self, js: np.ndarray, owner, n: int) -> np.ndarray:
         """[len(js), n] bool: which devices must hold each page index in `js` (devices_of_page for
-        many pages at once)."""
+        many pages at once; `owner`: one, or one per page index)."""
         mask = np.zeros((len(js), n), bool)
+        owners = np.broadcast_to(owner, len(js)).tolist()
         for i, j in enumerate(np.asarray(js).tolist()):
-            mask[i, list(self.devices_of_page(j, owner, n))] = True
+            mask[i, list(self.devices_of_page(j, owners[i], n))] = True
         return mask
 
     def page_index(self, device: int, entry: int, n: int) -> int:
-        """Page index of entry `entry` in `device_pages[device]` (lists are in position order)."""
+        """Page index of entry `entry` in `device_pages[device]` (lists are in position order);
+        elementwise over arrays of devices and entries (a handoff's page-table rebuild)."""
         return entry
 
     def pages_held(self, device: int, owner: int, n: int, num_pages: int) -> int:
         """How many of a request's first `num_pages` pages `device` holds."""
         raise NotImplementedError
+
+    def entries_below(self, device: int, j: int, n: int) -> int:
+        """How many entries of `device_pages[device]` hold a page index below j, if the device holds
+        the request's pages at all (where a planner starts reading its list for index j on)."""
+        return self.pages_held(device, device, n, j)
 
     def pages_needed(self, n: int, owner: int, device_pages: list[list[int]], upto: int, page_size: int) -> list[int]:
         """New pages each device needs so the request holds `upto` tokens."""
@@ -82,7 +89,7 @@ class Owner(Placement):
 
     def page_mask(self, js, owner, n):
         mask = np.zeros((len(js), n), bool)
-        mask[:, owner] = True
+        mask[np.arange(len(js)), owner] = True
         return mask
 
     def pages_held(self, device, owner, n, num_pages):

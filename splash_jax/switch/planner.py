@@ -44,6 +44,9 @@ class RequestPlan:
     # Copies from this index on are of a page that was partly filled when planned: the steps after
     # may still write it, so they run at the handoff, not inside the steps (None: none held).
     held_from: int | None = None
+    # Per device: arrays of the source pages planning found the destination does not keep, in
+    # position order (freed after the handoff; see pages_to_free).
+    dropped: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
 
     @property
     def ready_copies(self) -> int:
@@ -105,74 +108,151 @@ def plan_weights(param_paths: list[tuple[tuple, int]], src: Layout, dst: Layout)
     return [WeightMove(path, kind, nbytes) for path, nbytes in param_paths if str(path[-1]) in HEAD_SHARDED]
 
 
+PlanItem = tuple[Request, int, int, "RequestPlan | None"]  # (request, owner, plan up to this many tokens, plan to extend)
+
+
 def plan_request(
     request: Request, src: Layout, dst: Layout, allocator: PageAllocator, base_only: bool, owner: int,
     upto_tokens: int | None = None, existing: RequestPlan | None = None,
 ) -> RequestPlan:
-    """Reserve destination pages for `request`'s pages (up to `upto_tokens`), extending `existing`.
+    """Reserve destination pages for `request`'s pages (up to `upto_tokens`), extending `existing`
+    (plan_requests for one request)."""
+    upto = upto_tokens if upto_tokens is not None else request.num_computed
+    return plan_requests([(request, owner, upto, existing)], src, dst, allocator, base_only)[0]
+
+
+def plan_requests(items: list[PlanItem], src: Layout, dst: Layout, allocator: PageAllocator,
+                  base_only: bool) -> list[RequestPlan]:
+    """Reserve destination pages for several requests' pages at once, as plan_request for each in
+    turn would (the same pages, in the same order), returning their plans.
 
     For each new page index j and each device the destination needs it on: the page that device
     already holds is reused (under `base_only` only a base-segment one), otherwise a page is
     reserved there and copied from that device's page or else from the lowest device holding it.
-    Array operations over all the request's new pages at once (per page in Python it was ~85% of
-    a switch's start on the CPU mesh's host: 30 ms for 64 requests x 64 pages). All or nothing:
-    without the free pages it needs, OutOfPages and `existing` is left as it was."""
-    n = allocator.num_devices
-    upto = upto_tokens if upto_tokens is not None else request.num_computed
-    num_pages = pages_for_tokens(upto, allocator.page_size)
-    plan = existing or RequestPlan(request, owner, [[] for _ in range(n)], [], [], 0, request.order)
-    first = plan.planned_pages
-    if num_pages <= first:
-        return plan
-    count = num_pages - first
-    need = dst.kv_placement.page_mask(np.arange(first, num_pages), plan.owner, n)  # [J, n]
-    held = np.full((count, n), -1, np.int64)  # the page device d holds for index first + i, or -1
-    for d, pages in enumerate(request.device_pages):
-        if pages:
-            js = np.asarray(src.kv_placement.page_index(d, np.arange(len(pages)), n))
-            sel = (js >= first) & (js < num_pages)
-            held[js[sel] - first, d] = np.asarray(pages, np.int64)[sel]
+    Array operations over all the requests' new pages at once (per page in Python it was ~85% of
+    a switch's start on the CPU mesh's host: 30 ms for 64 requests x 64 pages; per request, a
+    handoff whose requests each started a page took 0.4-3 ms on the H200 host). All or nothing:
+    without the free pages they need, OutOfPages and every `existing` plan is left as it was."""
+    n, size = allocator.num_devices, allocator.page_size
+    plans = [existing or RequestPlan(r, owner, [[] for _ in range(n)], [], [], 0, r.order, dropped=[[] for _ in range(n)])
+             for r, owner, _, existing in items]
+    first = np.array([p.planned_pages for p in plans], np.int64)
+    counts = np.maximum(np.array([pages_for_tokens(upto, size) for _, _, upto, _ in items], np.int64) - first, 0)
+    total = int(counts.sum())
+    if total == 0:
+        return plans
+    item_of = np.repeat(np.arange(len(items)), counts)  # each new page's request
+    row0 = np.cumsum(counts) - counts  # each request's first row
+    js = first[item_of] + np.arange(total) - row0[item_of]
+    need = dst.kv_placement.page_mask(js, np.array([p.owner for p in plans])[item_of], n)  # [rows, n]
+    held = _held_pages(items, src, first, counts, row0, n, total)
     usable = held >= 0
     if base_only:
         usable &= held < allocator.num_base_pages
     fresh = need & ~usable  # a page to reserve and copy into
-    any_holder = held[np.arange(count), np.argmax(held >= 0, axis=1)]  # the lowest device's page
+    any_holder = held[np.arange(total), np.argmax(held >= 0, axis=1)]  # the lowest device's page
     source = np.where(held >= 0, held, any_holder[:, None])
     if (source[fresh] < 0).any():
-        raise RuntimeError(f"request {request.request_id}: a page index below {num_pages} is on no device")
+        i = int(item_of[np.flatnonzero((source < 0) & fresh)[0] // n])
+        raise RuntimeError(f"request {items[i][0].request_id}: a page index below {int(first[i] + counts[i])} is on no device")
+    new = _reserve(fresh, allocator, base_only, items, item_of)
+    _extend(plans, items, need, np.where(fresh, new, held), fresh, source, new, item_of, row0 + counts - 1, first + counts, size)
+    _record_dropped(plans, held, (held >= 0) & ~(need & usable), item_of)
+    return plans
+
+
+def _held_pages(items: list[PlanItem], src: Layout, first: np.ndarray, counts: np.ndarray, row0: np.ndarray,
+                n: int, total: int) -> np.ndarray:
+    """[rows, n]: the source page device d holds for each new page index (row), or -1. Only the
+    tail of each device's list from the first new index on is read."""
+    tails, runs, item_run, dev_run, lo_run = [], [], [], [], []
+    for i in np.flatnonzero(counts).tolist():
+        for d, pages in enumerate(items[i][0].device_pages):
+            lo = min(len(pages), src.kv_placement.entries_below(d, int(first[i]), n))
+            if lo < len(pages):
+                tails.append(pages[lo:])
+                runs.append(len(pages) - lo)
+                item_run.append(i), dev_run.append(d), lo_run.append(lo)
+    held = np.full((total, n), -1, np.int64)
+    if not tails:
+        return held
+    runs = np.array(runs, np.int64)
+    pages = np.fromiter(itertools.chain.from_iterable(tails), np.int64, count=int(runs.sum()))
+    item, dev = np.repeat(np.array(item_run), runs), np.repeat(np.array(dev_run), runs)
+    entry = np.repeat(np.array(lo_run) - (np.cumsum(runs) - runs), runs) + np.arange(len(pages))
+    js = np.asarray(src.kv_placement.page_index(dev, entry, n)) - first[item]
+    sel = (js >= 0) & (js < counts[item])
+    held[row0[item[sel]] + js[sel], dev[sel]] = pages[sel]
+    return held
+
+
+def _reserve(fresh: np.ndarray, allocator: PageAllocator, base_only: bool, items: list[PlanItem],
+             item_of: np.ndarray) -> np.ndarray:
+    """Allocate the fresh pages (per device in row order, as one request after another would);
+    OutOfPages before any allocation if some device lacks them."""
     per_device = fresh.sum(axis=0)
     for d in np.flatnonzero(per_device).tolist():
         free = allocator.num_free_base(d) if base_only else allocator.num_free(d)
         if per_device[d] > free:
-            raise OutOfPages(f"device {d}: the switch needs {int(per_device[d])} pages for request "
-                             f"{request.request_id}, {free} free")
-    new = np.full((count, n), -1, np.int64)
+            who = f"request {items[0][0].request_id}" if len(items) == 1 else f"{len(np.unique(item_of[fresh[:, d]]))} requests"
+            raise OutOfPages(f"device {d}: the switch needs {int(per_device[d])} pages for {who}, {free} free")
+    new = np.full(fresh.shape, -1, np.int64)
     for d in np.flatnonzero(per_device).tolist():
         new[fresh[:, d], d] = allocator.allocate(int(per_device[d]), d, base_only=base_only)
-    chosen = np.where(fresh, new, held)
+    return new
+
+
+def _extend(plans: list[RequestPlan], items: list[PlanItem], need: np.ndarray, chosen: np.ndarray,
+            fresh: np.ndarray, source: np.ndarray, new: np.ndarray, item_of: np.ndarray, last_row: np.ndarray,
+            planned: np.ndarray, size: int) -> None:
+    """Append each request's new rows to its plan: destination pages, copies, reservations."""
+    n, bounds = need.shape[1], np.arange(len(plans) + 1)
+    per_device = []  # (the chosen pages device d needs, as a list; where each request's start)
     for d in range(n):
-        plan.dst_pages[d].extend(chosen[need[:, d], d].tolist())
-    rows, cols = np.nonzero(fresh)  # page-major, then device: the last page's copies come last
-    reserved = new[rows, cols].tolist()
-    plan.reserved.extend(reserved)
-    last_page_from = len(plan.copies) + int((rows < count - 1).sum())
-    plan.copies.extend(zip(source[rows, cols].tolist(), reserved))
-    # A partly filled last page is held for the handoff; a full one releases what was held.
-    plan.held_from = last_page_from if upto % allocator.page_size else None
-    plan.planned_pages = num_pages
-    return plan
+        rows = np.flatnonzero(need[:, d])
+        per_device.append((chosen[rows, d].tolist(), np.searchsorted(item_of[rows], bounds).tolist()))
+    rows, cols = np.nonzero(fresh)  # request, then page, then device: a request's last page's copies come last
+    copy_item = item_of[rows]
+    cb = np.searchsorted(copy_item, bounds).tolist()
+    before_last = np.r_[0, np.cumsum(rows < last_row[copy_item])].tolist()  # copies of earlier pages, cumulative
+    reserved, sources = new[rows, cols].tolist(), source[rows, cols].tolist()
+    for i in np.unique(item_of).tolist():
+        plan, upto, (a, b) = plans[i], items[i][2], cb[i : i + 2]
+        for d, (pages, starts) in enumerate(per_device):
+            plan.dst_pages[d].extend(pages[starts[i] : starts[i + 1]])
+        plan.reserved.extend(reserved[a:b])
+        last_page_from = len(plan.copies) + before_last[b] - before_last[a]
+        plan.copies.extend(zip(sources[a:b], reserved[a:b]))
+        # A partly filled last page is held for the handoff; a full one releases what was held.
+        plan.held_from = last_page_from if upto % size else None
+        plan.planned_pages = int(planned[i])
 
 
-def pages_to_free(page_lists, num_pages: int) -> np.ndarray:
-    """Source pages the destination does not keep, over every request of a handoff at once.
-    `page_lists`: per request (source device_pages, destination device_pages). A page belongs to
-    one request, so one mark array over the pool's `num_pages` global ids covers all."""
-    chain = itertools.chain.from_iterable
-    src = np.fromiter(chain(chain(old for old, _ in page_lists)), np.int64)
-    dst = np.fromiter(chain(chain(new for _, new in page_lists)), np.int64)
-    keep = np.zeros(num_pages, bool)
-    keep[dst] = True
-    return src[~keep[src]]
+def _record_dropped(plans: list[RequestPlan], held: np.ndarray, dropped: np.ndarray, item_of: np.ndarray) -> None:
+    """Append each request's newly planned source pages that the destination does not keep."""
+    bounds = np.arange(len(plans) + 1)
+    for d in range(held.shape[1]):
+        rows = np.flatnonzero(dropped[:, d])
+        if len(rows):
+            pages, starts = held[rows, d], np.searchsorted(item_of[rows], bounds).tolist()
+            for i in np.flatnonzero(np.diff(starts)).tolist():
+                plans[i].dropped[d].append(pages[starts[i] : starts[i + 1]])
+
+
+def pages_to_free(plans, src: Layout) -> np.ndarray:
+    """Source pages the destination does not keep, over every planned request of a handoff, in
+    request, device and position order: those planning found dropped, then any a device holds past
+    the planned pages (kept by none). From arrays recorded while planning: flattening every source
+    and destination list here instead took 0.5-3.6 ms of a handoff on the H200 host."""
+    parts = []
+    for p in plans:
+        n = len(p.request.device_pages)
+        for d, pages in enumerate(p.request.device_pages):
+            parts += p.dropped[d]
+            planned = src.kv_placement.entries_below(d, p.planned_pages, n)
+            if planned < len(pages):
+                parts.append(np.asarray(pages[planned:], np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Counter, page_size: int,
