@@ -10,7 +10,8 @@ expert. The work is laid out by `plan_tiles` (XLA, tiny: T*k pairs):
   in no tile and cost nothing. Tiles past the live ones are skipped inside the kernel.
 
 Two kernels then run over grid (column blocks, tiles), the expert id read inside the kernel
-from the tile table (Triton has no scalar prefetch; the weight refs are whole-array pointers):
+from the tile table (Triton has no scalar prefetch; the weight refs are whole-array pointers),
+x's rows gathered inside gate_up by the tile's token ids (no [rows, D] copy of x per layer):
   gate_up: h[rows] = silu(x @ gate[e]^T) * (x @ up[e]^T) * w   (one pass over gate/up tiles,
            SiLU and the combine weight fused; h in the weight dtype)
   down:    y[rows] = h @ down[e]
@@ -110,23 +111,26 @@ def plan_tiles(ids: jax.Array, weights: jax.Array, num_local: int, block_m: int)
     return TilePlan(slot_token, slot_weight, tile_expert, tile_live, slot.reshape(t, k))
 
 
-def _gate_up_kernel(*refs, block_i, block_d, dim, scale_block):
+def _gate_up_kernel(*refs, block_i, block_d, dim, scale_block, compute):
     if scale_block:
-        layer_ref, te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, gs_ref, us_ref, o_ref = refs
+        layer_ref, te_ref, tl_ref, tok_ref, x_ref, w_ref, gate_ref, up_ref, gs_ref, us_ref, o_ref = refs
     else:
-        layer_ref, te_ref, tl_ref, x_ref, w_ref, gate_ref, up_ref, o_ref = refs
+        layer_ref, te_ref, tl_ref, tok_ref, x_ref, w_ref, gate_ref, up_ref, o_ref = refs
     i, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(tl_ref[j] > 0)
     def _():
         layer, e = layer_ref[0], te_ref[j]
         cols = pl.ds(pl.multiple_of(i * block_i, block_i), block_i)
-        block_m = x_ref.shape[0]
+        tok = tok_ref[...][:, None]  # the tile's rows of x (padding rows read token 0, weight 0)
+        block_m = tok.shape[0]
+        every = jnp.ones((block_m, block_d), jnp.bool_)
 
         def body(d, carry):
             g_acc, u_acc = carry
             ds = pl.ds(pl.multiple_of(d * block_d, block_d), block_d)
-            xt = x_ref[:, ds]
+            col = d * block_d + lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
+            xt = _compat.masked_load(x_ref, (tok, col), mask=every, other=0).astype(compute)
             nt = (((1,), (1,)), ((), ()))
             gw, uw = gate_ref[layer, e, cols, ds], up_ref[layer, e, cols, ds]
             if scale_block:  # FP8 tile -> activation dtype (exact), its block's scale on the product
@@ -271,18 +275,18 @@ def routed_experts(x, ids, weights, gate, up, down, layer=None, scales=None, *, 
     plan = plan_tiles(ids, weights, e_local, cfg.block_m)
     nt = plan.tile_expert.shape[0]
     rows = nt * cfg.block_m
-    xs = x.astype(compute)[plan.slot_token]
     full = lambda a: pl.BlockSpec(a.shape, lambda c, j: (0,) * a.ndim)  # noqa: E731
     params = _compat.triton_params(cfg.num_warps, cfg.num_stages)
     gate_scales = (scales[0], scales[1]) if fp8 else ()
     down_scales = (scales[2],) if fp8 else ()
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, block_i=cfg.gu_block_i, block_d=cfg.gu_block_d, dim=d,
-                          scale_block=scale_block),
+                          scale_block=scale_block, compute=compute),
         grid=(inter // cfg.gu_block_i, nt),
         in_specs=[
             full(layer), full(plan.tile_expert), full(plan.tile_live),
-            pl.BlockSpec((cfg.block_m, d), lambda c, j: (j, 0)),
+            pl.BlockSpec((cfg.block_m,), lambda c, j: (j,)),  # rows of x, gathered in the kernel
+            full(x),
             pl.BlockSpec((cfg.block_m,), lambda c, j: (j,)),
             full(gate), full(up), *map(full, gate_scales),
         ],
@@ -291,7 +295,7 @@ def routed_experts(x, ids, weights, gate, up, down, layer=None, scales=None, *, 
         compiler_params=params,
         interpret=interpret,
         name="moe_gate_up",
-    )(layer, plan.tile_expert, plan.tile_live, xs, plan.slot_weight, gate, up, *gate_scales)
+    )(layer, plan.tile_expert, plan.tile_live, plan.slot_token, x, plan.slot_weight, gate, up, *gate_scales)
     y = pl.pallas_call(
         functools.partial(_down_kernel, block_i=cfg.dn_block_i, block_d=cfg.dn_block_d, inter=inter,
                           scale_block=scale_block),
