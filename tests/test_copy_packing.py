@@ -240,3 +240,16 @@ def test_planning_many_requests_is_all_or_nothing_without_free_pages():
     assert [alloc.num_free(d) for d in range(2)] == free
     assert (first.dst_pages, first.copies, first.reserved, first.planned_pages) == (
         before.dst_pages, before.copies, before.reserved, before.planned_pages)
+
+
+def test_entries_below_counts_the_entries_of_lower_page_indices():
+    """Placement.entries_below (arrays at once) against its definition: how many entries k of a
+    holding device's list have page_index(d, k) < j."""
+    from splash_jax.kv.placement import OWNER, REPLICATED, STRIPED
+
+    n = 3
+    for placement in (REPLICATED, OWNER, STRIPED):
+        devices, js = np.meshgrid(np.arange(n), np.arange(12), indexing="ij")
+        got = np.asarray(placement.entries_below(devices.ravel(), js.ravel(), n))
+        want = [sum(1 for k in range(12) if placement.page_index(d, k, n) < j) for d, j in zip(devices.ravel(), js.ravel())]
+        assert got.tolist() == want, placement.name

@@ -44,10 +44,11 @@ class Placement:
         """How many of a request's first `num_pages` pages `device` holds."""
         raise NotImplementedError
 
-    def entries_below(self, device: int, j: int, n: int) -> int:
+    def entries_below(self, device, j, n: int):
         """How many entries of `device_pages[device]` hold a page index below j, if the device holds
-        the request's pages at all (where a planner starts reading its list for index j on)."""
-        return self.pages_held(device, device, n, j)
+        the request's pages at all (where a planner starts reading its list for index j on);
+        elementwise over arrays of devices and indices."""
+        return np.vectorize(lambda d, jj: self.pages_held(d, d, n, jj), otypes=[np.int64])(device, j)
 
     def pages_needed(self, n: int, owner: int, device_pages: list[list[int]], upto: int, page_size: int) -> list[int]:
         """New pages each device needs so the request holds `upto` tokens."""
@@ -76,6 +77,9 @@ class Replicated(Placement):
     def pages_held(self, device, owner, n, num_pages):
         return num_pages
 
+    def entries_below(self, device, j, n):
+        return np.broadcast_to(j, np.broadcast(device, j).shape)
+
     def distinct_copies(self, n):
         return n
 
@@ -94,6 +98,9 @@ class Owner(Placement):
 
     def pages_held(self, device, owner, n, num_pages):
         return num_pages if device == owner else 0
+
+    def entries_below(self, device, j, n):
+        return np.broadcast_to(j, np.broadcast(device, j).shape)
 
     def cached_bytes_read(self, cached_tokens, requests, n):
         per_owner = -(-requests // n)  # the busiest owner's requests
@@ -115,6 +122,9 @@ class Striped(Placement):
 
     def pages_held(self, device, owner, n, num_pages):
         return len(range(device, num_pages, n))
+
+    def entries_below(self, device, j, n):
+        return np.maximum(0, -(-(np.asarray(j) - device) // n))  # len(range(device, j, n))
 
     def cached_bytes_read(self, cached_tokens, requests, n):
         return cached_tokens / n
