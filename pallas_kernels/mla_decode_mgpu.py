@@ -251,11 +251,8 @@ def paged_mla_decode_mgpu(q_latent, q_rope, latent, rope, page_table, kv_lens, s
     Hp = -(-H // BLOCK_H) * BLOCK_H
     head_blocks = Hp // BLOCK_H
     splits = min(plan_splits(cfg, T, head_blocks, M, num_sms()), M)
-    pages_per_split = -(-M // splits)
-    splits = -(-M // pages_per_split)
-    m_pad = splits * pages_per_split
-    if m_pad != M:
-        page_table = jnp.pad(page_table, ((0, 0), (0, m_pad - M)))
+    splits = -(-M // -(-M // splits))  # no split left without a page of a full table
+    # No page-table padding: split_range reads entries below ceil(kv_len / S) <= M only.
     if Hp != H:
         q_latent = jnp.pad(q_latent, ((0, 0), (0, Hp - H), (0, 0)))
         q_rope = jnp.pad(q_rope, ((0, 0), (0, Hp - H), (0, 0)))

@@ -6,8 +6,9 @@ implementations share the contract of `paged_reference.paged_mla_attention` (sam
 same (out, lse) result).
 
   "auto"   -> on a Hopper GPU with >= 64 heads per device and the DeepSeek latent (512 + 64,
-              bf16, pages of 64k): "mosaic"; on other GPUs/shapes "pallas" when the shapes suit
-              it (power-of-two L, R >= 16 and page size); else "xla" (CPU, TPU, odd test shapes).
+              bf16, pages of a multiple of 64 tokens): "mosaic"; on other GPUs/shapes "pallas"
+              when the shapes suit it (power-of-two L, R >= 16 and page size); else "xla" (CPU,
+              TPU, odd test shapes).
   "xla"    -> the XLA reference, on any backend.
   "pallas" -> the Pallas Triton kernel on GPU; on CPU it runs in interpret mode (slow; for tests).
               Not available on TPU (the kernel is written for the Triton backend).
