@@ -82,6 +82,8 @@ def main(argv=None):
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--expert-weights", default="auto", help="auto | model | fp8 (routed experts in HBM)")
     parser.add_argument("--top-kernels", type=int, default=8, help="kernel names to report per row (by GPU time)")
+    parser.add_argument("--graph-scheduling", default="concurrent",
+                        help="concurrent | xla: how a GPU step's CUDA graph orders its kernels (EngineConfig)")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                         help="decoder layers under lax.scan (the engine's default) or unrolled")
     args = parser.parse_args(argv)
@@ -100,6 +102,7 @@ def main(argv=None):
         max_num_seqs=max(batches), max_num_batched_tokens=max(max(batches), 8), warmup=False,
         layout=args.layout, num_devices=args.devices,
         min_token_bucket=args.min_token_bucket, scan_layers=args.scan_layers, expert_weights=args.expert_weights,
+        graph_scheduling=args.graph_scheduling,
     ))
     cfg = engine.model_config
     rows = []

@@ -92,6 +92,8 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--top-kernels", type=int, default=0,
                         help="profile one more run per prompt: GPU busy time and the K largest kernels")
+    parser.add_argument("--graph-scheduling", default="concurrent",
+                        help="concurrent | xla: how a GPU step's CUDA graph orders its kernels (EngineConfig)")
     parser.add_argument("--kv-memory-gb", type=float, default=8.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -109,6 +111,7 @@ def main(argv=None):
             model=model, load_format="dummy" if model else "auto", dtype=args.dtype, attention_impl=impl,
             prefill_attention=form, page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=max(prompts) + 64,
             max_num_seqs=4, max_num_batched_tokens=args.chunk, warmup=False, compile_cache_dir=None,
+            graph_scheduling=args.graph_scheduling,
         ))
         per_token, head = per_token_weight_params(engine.model)
         rng = np.random.default_rng(0)

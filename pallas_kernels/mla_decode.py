@@ -181,8 +181,12 @@ def paged_mla_decode(
     splits = min(splits, kv_blocks)
     pages_per_split = -(-kv_blocks // splits) * ppb
     splits = -(-M // pages_per_split)
-    m_pad = splits * pages_per_split
-    if m_pad != M:  # page-table reads stay in bounds; the padding is never dereferenced unclamped
+    # split_range hands out whole page groups below ceil(kv_len / S) <= M, so reads stay inside the
+    # table unless the last group is partial (M not a multiple of ppb): only then pad (the padding
+    # is never dereferenced unclamped). One page per step (the common case) pads nothing: the pad
+    # was one more kernel per layer.
+    m_pad = kv_blocks * ppb
+    if m_pad != M:
         page_table = jnp.pad(page_table, ((0, 0), (0, m_pad - M)))
     if Hp != H:
         q_latent = jnp.pad(q_latent, ((0, 0), (0, Hp - H), (0, 0)))

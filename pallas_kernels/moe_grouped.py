@@ -15,7 +15,16 @@ x's rows gathered inside gate_up by the tile's token ids (no [rows, D] copy of x
   gate_up: h[rows] = silu(x @ gate[e]^T) * (x @ up[e]^T) * w   (one pass over gate/up tiles,
            SiLU and the combine weight fused; h in the weight dtype)
   down:    y[rows] = h @ down[e]
-and XLA sums each token's k rows of y. Column blocks are the fastest grid axis, so the tiles of
+and XLA sums each token's k rows of y.
+
+Steps of at most 16 tokens (decode at small batch) skip the plan: *pair tiles*. Tile j belongs to
+pair j = (token, choice) and is live only when its expert is local and no earlier pair chose it, so
+every routed expert has one live tile whose rows are all of the step's tokens (weight 0 for those
+that did not pick it). Each program finds this from the flat ids itself (O(pairs) compares), and
+down stores each token's row at its pair's row of a [pairs, D] output. The plan's XLA ops were 8
+kernels per layer (~9 us at batch 1 on an H200); pair tiles need none.
+
+Column blocks are the fastest grid axis, so the tiles of
 one expert (several only when it has > block_m pairs) run in the same wave and share its weights
 through L2. Accumulation is float32. With 1 token there are k live tiles: the kernel reads exactly
 the k routed experts' gate/up/down (the XLA gather path read them ~11x slower, DESIGN section 3).
@@ -62,6 +71,10 @@ SMALL_PAIRS = 1024
 # offsets are a masked sum; scatters and reduce-window are separate kernels of 1-3 us each,
 # per layer.
 TINY_PAIRS = 64
+# Steps of at most this many tokens (and at most block_m) use pair tiles (`_pair_tile`): no plan is
+# computed at all; each kernel program finds its expert from the flat ids itself (O(pairs) work).
+# V2-Lite batch-1 decode on an H200: the plan's XLA kernels were ~9 us per layer (8 fusions).
+PAIR_TILE_TOKENS = 16
 
 
 def plan_tiles(ids: jax.Array, weights: jax.Array, num_local: int, block_m: int) -> TilePlan:
@@ -111,20 +124,51 @@ def plan_tiles(ids: jax.Array, weights: jax.Array, num_local: int, block_m: int)
     return TilePlan(slot_token, slot_weight, tile_expert, tile_live, slot.reshape(t, k))
 
 
-def _gate_up_kernel(*refs, block_i, block_d, dim, scale_block, compute):
-    if scale_block:
-        layer_ref, te_ref, tl_ref, tok_ref, x_ref, w_ref, gate_ref, up_ref, gs_ref, us_ref, o_ref = refs
-    else:
-        layer_ref, te_ref, tl_ref, tok_ref, x_ref, w_ref, gate_ref, up_ref, o_ref = refs
-    i, j = pl.program_id(0), pl.program_id(1)
+def _pair_tile(ids_ref, j, *, pairs, top_k, num_local, block_m):
+    """Pair tiles (steps of <= block_m tokens): tile j belongs to pair j's expert e and is live
+    when e is local and no earlier pair chose it, so each routed expert has exactly one live tile;
+    its rows are the step's tokens. Returns e, live, and match [block_m, PP]: row t's pairs of e
+    (one, from a router; ids given by hand may repeat), with the pair index p of each column."""
+    pp = 1 << max(0, pairs - 1).bit_length()
+    p = lax.broadcasted_iota(jnp.int32, (pp,), 0)
+    ids = _compat.masked_load(ids_ref, (p,), mask=p < pairs, other=-1)
+    e = ids_ref[j]
+    earlier = jnp.sum(((p < j) & (ids == e)).astype(jnp.int32))
+    live = (e >= 0) & (e < num_local) & (earlier == 0)
+    row = lax.broadcasted_iota(jnp.int32, (block_m, pp), 0)
+    col = lax.broadcasted_iota(jnp.int32, (block_m, pp), 1)
+    match = (col // top_k == row) & (ids[None, :] == e) & (col < pairs)
+    return e, live, match, col
 
-    @pl.when(tl_ref[j] > 0)
-    def _():
-        layer, e = layer_ref[0], te_ref[j]
-        cols = pl.ds(pl.multiple_of(i * block_i, block_i), block_i)
+
+def _gate_up_kernel(*refs, block_i, block_d, dim, scale_block, compute, pairs=0, top_k=0, tokens=0,
+                    num_local=0, block_m=0):
+    """pairs > 0: pair tiles (_pair_tile; refs carry the flat ids and weights instead of a plan)."""
+    if pairs:
+        layer_ref, ids_ref, wts_ref, x_ref, gate_ref, up_ref, *rest = refs
+    else:
+        layer_ref, te_ref, tl_ref, tok_ref, x_ref, w_ref, gate_ref, up_ref, *rest = refs
+    gs_ref, us_ref, o_ref = rest if scale_block else (None, None, *rest)
+    i, j = pl.program_id(0), pl.program_id(1)
+    if pairs:
+        e, live, match, col_p = _pair_tile(ids_ref, j, pairs=pairs, top_k=top_k, num_local=num_local, block_m=block_m)
+        pp = col_p.shape[1]
+        p = lax.broadcasted_iota(jnp.int32, (pp,), 0)
+        wts = _compat.masked_load(wts_ref, (p,), mask=p < pairs, other=0.0)
+        row_weight = jnp.sum(jnp.where(match, wts[None, :], 0.0), axis=1)
+        tok = lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)  # row t is token t
+        row_ok = tok < tokens
+    else:
+        e, live = te_ref[j], tl_ref[j] > 0
         tok = tok_ref[...][:, None]  # the tile's rows of x (padding rows read token 0, weight 0)
         block_m = tok.shape[0]
-        every = jnp.ones((block_m, block_d), jnp.bool_)
+        row_ok = jnp.ones((block_m, 1), jnp.bool_)
+
+    @pl.when(live)
+    def _():
+        layer = layer_ref[0]
+        cols = pl.ds(pl.multiple_of(i * block_i, block_i), block_i)
+        every = row_ok & jnp.ones((block_m, block_d), jnp.bool_)
 
         def body(d, carry):
             g_acc, u_acc = carry
@@ -144,20 +188,29 @@ def _gate_up_kernel(*refs, block_i, block_d, dim, scale_block, compute):
 
         zero = jnp.zeros((block_m, block_i), jnp.float32)
         g, u = lax.fori_loop(0, dim // block_d, body, (zero, zero))
-        h = g * jax.nn.sigmoid(g) * u * w_ref[...][:, None]
+        weight = row_weight if pairs else w_ref[...]
+        h = g * jax.nn.sigmoid(g) * u * weight[:, None]
         o_ref[...] = h.astype(o_ref.dtype)
 
 
-def _down_kernel(*refs, block_i, block_d, inter, scale_block):
-    if scale_block:
-        layer_ref, te_ref, tl_ref, h_ref, down_ref, ds_ref, o_ref = refs
+def _down_kernel(*refs, block_i, block_d, inter, scale_block, pairs=0, top_k=0, num_local=0):
+    """pairs > 0: pair tiles; each token's row is stored at its pair's row of the [pairs, D]
+    output (written by exactly one program per column block: no atomics, deterministic)."""
+    if pairs:
+        layer_ref, ids_ref, h_ref, down_ref, *rest = refs
     else:
-        layer_ref, te_ref, tl_ref, h_ref, down_ref, o_ref = refs
+        layer_ref, te_ref, tl_ref, h_ref, down_ref, *rest = refs
+    ds_ref, o_ref = rest if scale_block else (None, *rest)
     d, j = pl.program_id(0), pl.program_id(1)
+    if pairs:
+        e, live, match, col_p = _pair_tile(ids_ref, j, pairs=pairs, top_k=top_k, num_local=num_local,
+                                           block_m=h_ref.shape[0])
+    else:
+        e, live = te_ref[j], tl_ref[j] > 0
 
-    @pl.when(tl_ref[j] > 0)
+    @pl.when(live)
     def _():
-        layer, e = layer_ref[0], te_ref[j]
+        layer = layer_ref[0]
         cols = pl.ds(pl.multiple_of(d * block_d, block_d), block_d)
 
         def body(i, acc):
@@ -171,7 +224,14 @@ def _down_kernel(*refs, block_i, block_d, inter, scale_block):
             return acc + part
 
         acc = lax.fori_loop(0, inter // block_i, body, jnp.zeros((h_ref.shape[0], block_d), jnp.float32))
-        o_ref[...] = acc.astype(o_ref.dtype)
+        if pairs:
+            dest = jnp.min(jnp.where(match, col_p, pairs), axis=1)  # row t's (first) pair of e
+            has = jnp.max(match.astype(jnp.int32), axis=1) > 0
+            c = d * block_d + lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
+            _compat.masked_store(o_ref, (dest[:, None], c), acc.astype(o_ref.dtype),
+                                 mask=has[:, None] & jnp.ones((1, block_d), jnp.bool_))
+        else:
+            o_ref[...] = acc.astype(o_ref.dtype)
 
 
 class Config(NamedTuple):
@@ -235,9 +295,9 @@ def supports(dim: int, inter: int, scale_block: int = 0) -> bool:
     return ok and (not scale_block or (scale_block >= 16 and scale_block & (scale_block - 1) == 0))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "scale_block"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "scale_block", "pair_tiles"))
 def routed_experts(x, ids, weights, gate, up, down, layer=None, scales=None, *, scale_block: int = 0,
-                   config: Config | None = None, interpret: bool = False):
+                   config: Config | None = None, interpret: bool = False, pair_tiles: bool | None = None):
     """sum_k weights[t,k] * down[e]^T (silu(gate[e] x_t) * up[e] x_t) with e = ids[t,k].
 
     x [T,D]; ids [T,k] local expert ids (others' experts: < 0 or >= E, contribute 0); weights
@@ -248,6 +308,9 @@ def routed_experts(x, ids, weights, gate, up, down, layer=None, scales=None, *, 
     ([L,] E, ceil(I/b), ceil(D/b)) for square blocks of `scale_block` (DeepSeek's 128): weight
     (i, d) = value * scale[i // b, d // b]. Tiles are converted to x's dtype in the kernel (exact)
     and each block's partial product is scaled, so HBM holds and the kernel reads 1 byte per weight.
+
+    pair_tiles: None picks pair tiles for steps of <= min(block_m, PAIR_TILE_TOKENS) tokens (they
+    need every token in one tile); False always plans tiles; True requires pair tiles.
     """
     fp8 = scales is not None
     if fp8 != bool(scale_block):
@@ -272,13 +335,51 @@ def routed_experts(x, ids, weights, gate, up, down, layer=None, scales=None, *, 
     if inter % cfg.gu_block_i or inter % cfg.dn_block_i or d % cfg.gu_block_d or d % cfg.dn_block_d:
         raise ValueError(f"MoE kernel blocks must divide D={d} and I={inter}: {cfg}")
     compute = x.dtype if fp8 else gate.dtype  # the dtype the tiles are multiplied in
-    plan = plan_tiles(ids, weights, e_local, cfg.block_m)
-    nt = plan.tile_expert.shape[0]
-    rows = nt * cfg.block_m
     full = lambda a: pl.BlockSpec(a.shape, lambda c, j: (0,) * a.ndim)  # noqa: E731
     params = _compat.triton_params(cfg.num_warps, cfg.num_stages)
     gate_scales = (scales[0], scales[1]) if fp8 else ()
     down_scales = (scales[2],) if fp8 else ()
+    out_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+    fits = t <= cfg.block_m
+    if pair_tiles and not fits:
+        raise ValueError(f"pair tiles hold every token in one tile: {t} tokens > block_m={cfg.block_m}")
+    if pair_tiles or (pair_tiles is None and fits and t <= PAIR_TILE_TOKENS):  # no plan at all (module doc)
+        pairs = t * k
+        flat_ids, flat_w = ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)
+        pair = dict(pairs=pairs, top_k=k, num_local=e_local)
+        h = pl.pallas_call(
+            functools.partial(_gate_up_kernel, block_i=cfg.gu_block_i, block_d=cfg.gu_block_d, dim=d,
+                              scale_block=scale_block, compute=compute, tokens=t, block_m=cfg.block_m, **pair),
+            grid=(inter // cfg.gu_block_i, pairs),
+            in_specs=[full(layer), full(flat_ids), full(flat_w), full(x), full(gate), full(up), *map(full, gate_scales)],
+            out_specs=pl.BlockSpec((cfg.block_m, cfg.gu_block_i), lambda c, j: (j, c)),
+            out_shape=_compat.out_struct((pairs * cfg.block_m, inter), compute, x),
+            compiler_params=params,
+            interpret=interpret,
+            name="moe_gate_up",
+        )(layer, flat_ids, flat_w, x, gate, up, *gate_scales)
+        y = pl.pallas_call(
+            functools.partial(_down_kernel, block_i=cfg.dn_block_i, block_d=cfg.dn_block_d, inter=inter,
+                              scale_block=scale_block, **pair),
+            grid=(d // cfg.dn_block_d, pairs),
+            in_specs=[full(layer), full(flat_ids), pl.BlockSpec((cfg.block_m, inter), lambda c, j: (j, 0)),
+                      full(down), *map(full, down_scales)],
+            out_specs=pl.BlockSpec((pairs, d), lambda c, j: (0, 0)),
+            out_shape=_compat.out_struct((pairs, d), out_dtype, x),
+            compiler_params=params,
+            interpret=interpret,
+            name="moe_down",
+        )(layer, flat_ids, h, down, *down_scales)
+        # Rows written: a token's first pair of each local expert (its row weight sums the token's
+        # pairs of that expert: ids may repeat an expert). Other rows may hold anything: masked.
+        kk = jnp.arange(k)
+        repeat = jnp.any((ids[:, :, None] == ids[:, None, :]) & (kk[None, :] < kk[:, None])[None], axis=2)
+        local = (ids >= 0) & (ids < e_local) & ~repeat
+        picked = y.reshape(t, k, d).astype(jnp.float32)
+        return jnp.where(local[..., None], picked, 0.0).sum(1).astype(x.dtype)
+    plan = plan_tiles(ids, weights, e_local, cfg.block_m)
+    nt = plan.tile_expert.shape[0]
+    rows = nt * cfg.block_m
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, block_i=cfg.gu_block_i, block_d=cfg.gu_block_d, dim=d,
                           scale_block=scale_block, compute=compute),
@@ -306,7 +407,7 @@ def routed_experts(x, ids, weights, gate, up, down, layer=None, scales=None, *, 
             full(down), *map(full, down_scales),
         ],
         out_specs=pl.BlockSpec((cfg.block_m, cfg.dn_block_d), lambda c, j: (j, c)),
-        out_shape=_compat.out_struct((rows, d), jnp.float32 if x.dtype == jnp.float32 else x.dtype, x),
+        out_shape=_compat.out_struct((rows, d), out_dtype, x),
         compiler_params=params,
         interpret=interpret,
         name="moe_down",

@@ -267,6 +267,21 @@ def test_expanded_programs_get_command_buffer_options_on_gpus_and_fall_back_if_r
     assert ex.compiler_options[True] == {"other": 1}  # later compiles skip the refused option
 
 
+def test_gpu_steps_get_concurrent_graph_scheduling_unless_asked_for_xlas():
+    from splash_jax.engine.executor import CONCURRENT_GRAPH_OPTIONS, OPTIONAL_OPTIONS, step_compiler_options
+
+    for expanded_ in (False, True):
+        options = step_compiler_options("gpu", True, expanded_)
+        assert all(options[k] == v for k, v in CONCURRENT_GRAPH_OPTIONS.items())
+        assert not set(CONCURRENT_GRAPH_OPTIONS) & set(step_compiler_options("gpu", True, expanded_, "xla"))
+    assert step_compiler_options("cpu", False) == {}
+    assert set(CONCURRENT_GRAPH_OPTIONS) <= set(OPTIONAL_OPTIONS)  # an XLA without them still compiles
+    with pytest.raises(ValueError, match="graph-scheduling"):
+        step_compiler_options("gpu", True, graph_scheduling="parallel")
+    with pytest.raises(ValueError, match="graph-scheduling"):
+        EngineConfig(graph_scheduling="parallel").validate()
+
+
 def test_an_expanded_program_that_does_not_build_leaves_its_bucket_absorbed(monkeypatch):
     """A cuDNN that refuses the shapes (here: chunk_attention raising while the program is traced)
     costs the expanded form, not the engine: start-up succeeds, outputs equal the absorbed form."""

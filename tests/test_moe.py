@@ -110,9 +110,11 @@ def _numpy_routed(x, ids, w, gate, up, down):
     return out
 
 
-@pytest.mark.parametrize("tokens,top_k", [(1, 2), (5, 3), (16, 4), (40, 3)])
-def test_pallas_grouped_kernel_matches_numpy_loop(tokens, top_k):
-    """Non-local ids (< 0, >= E) contribute nothing; duplicates and >16 rows per expert tile."""
+@pytest.mark.parametrize("tokens,top_k,pair_tiles", [(1, 2, None), (5, 3, None), (5, 3, False), (16, 4, None),
+                                                     (16, 4, False), (40, 3, None)])
+def test_pallas_grouped_kernel_matches_numpy_loop(tokens, top_k, pair_tiles):
+    """Non-local ids (< 0, >= E) contribute nothing; duplicates and >16 rows per expert tile. Steps
+    of <= 16 tokens run pair tiles by default; False: the planned tiles, on the same input."""
     from pallas_kernels.moe_grouped import routed_experts
 
     rng = np.random.default_rng(tokens)
@@ -121,7 +123,7 @@ def test_pallas_grouped_kernel_matches_numpy_loop(tokens, top_k):
     ids = rng.integers(-3, e + 2, (tokens, top_k)).astype(np.int32)
     w = rng.random((tokens, top_k)).astype(np.float32)
     gate, up, down = [(rng.standard_normal((e, i, d)) * 0.1).astype(np.float32) for _ in range(3)]
-    out = routed_experts(*map(jnp.asarray, (x, ids, w, gate, up, down)), interpret=True)
+    out = routed_experts(*map(jnp.asarray, (x, ids, w, gate, up, down)), interpret=True, pair_tiles=pair_tiles)
     np.testing.assert_allclose(np.asarray(out), _numpy_routed(x, ids, w, gate, up, down), rtol=1e-5, atol=1e-5)
 
 

@@ -159,6 +159,7 @@ class Engine:
             extra_pages_total=self.n * self.extra_pages,
             move_pages=self.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
             expanded_min_tokens=config.resolved_expanded_min_tokens(backend),
+            graph_scheduling=config.graph_scheduling,
         )
         if config.warmup:  # with switching, every layout's steps: a switch must never compile
             layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else None
