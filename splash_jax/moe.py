@@ -140,6 +140,9 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[
 
 
 SMALL_ROUTER_TOKENS = 64
+# Backends where the router's selection runs as one Pallas kernel (pallas_kernels/moe_route.py,
+# equal to `route`); elsewhere the XLA `route` above.
+ROUTE_KERNEL_BACKENDS = ("gpu",)
 
 
 def router_logits(x, router):
@@ -213,10 +216,15 @@ class MoE(nnx.Module):
         offset = expert_offset(num_local) if expert_offset else 0
         logits = router_logits(x, self.router[...])
         bias = self.router_bias[...] if cfg.topk_method == "noaux_tc" else None
-        ids, weights = route(cfg, logits, bias)
-        local = ids - offset
-        if valid is not None:
-            local = jnp.where(valid[:, None], local, -1)  # -1: no device's expert
+        if jax.default_backend() in ROUTE_KERNEL_BACKENDS:  # one kernel instead of four (moe_route doc)
+            from pallas_kernels.moe_route import route_local_for
+
+            local, weights = route_local_for(cfg, logits, bias, valid, offset)
+        else:
+            ids, weights = route(cfg, logits, bias)
+            local = ids - offset
+            if valid is not None:
+                local = jnp.where(valid[:, None], local, -1)  # -1: no device's expert
         out = self.routed(x, local, weights, impl, layer)
         if cfg.n_shared_experts:
             out = out + self.shared(x)

@@ -238,6 +238,9 @@ def test_tile_plan_puts_each_local_pair_in_one_tile_of_its_expert(small_pairs, t
     assert np.all(np.asarray(plan.tile_expert)[slot[local] // 16] == ids[local])
     assert np.asarray(plan.tile_live).sum() == sum(-(-np.sum(ids == e) // 16) for e in range(8))
     np.testing.assert_array_equal(np.asarray(plan.slot_token)[slot[local]], np.nonzero(local)[0])
+    slot_pair = np.asarray(plan.slot_pair)  # each local pair's row names it; every other row names none
+    np.testing.assert_array_equal(slot_pair[slot[local]], np.flatnonzero(local))
+    assert np.sum(slot_pair < 72) == local.sum() and np.all(slot_pair[slot_pair >= 72] == 72)
 
 
 def test_tile_plan_forms_agree(monkeypatch):
@@ -340,3 +343,44 @@ def test_gpu_fp8_kernel_matches_the_dequantized_weights(tokens):
     want = _numpy_routed(x.astype(np.float64), ids, w, *(m[1] for m in deq))
     got = np.asarray(out, np.float64)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+@pytest.mark.parametrize("name", ["v3_tiny", "v2lite_tiny", "v2_group_tiny", "v3_groupmask_tiny"])
+@pytest.mark.parametrize("tokens", [1, 8, 21])
+def test_route_kernel_equals_route_with_offset_and_padding_rows(name, tokens):
+    """The Pallas router (interpret mode) == `route`, then `ids - offset` and -1 on padding rows:
+    same experts in the same order (lax.top_k's), same weights; softmax/sigmoid, V2 group-limited
+    and V3 noaux_tc with bias; 21 tokens: two programs, the second partly filled."""
+    from pallas_kernels.moe_route import route_local_for
+
+    cfg = _cfg(name)
+    rng = np.random.default_rng(tokens)
+    e = cfg.n_routed_experts
+    logits = jnp.asarray(rng.standard_normal((tokens, e)).astype(np.float32) * 2)
+    bias = jnp.asarray(rng.standard_normal(e).astype(np.float32) * 0.1) if cfg.topk_method == "noaux_tc" else None
+    valid = rng.random(tokens) < 0.8
+    valid[0] = True
+    want_ids, want_w = route(cfg, logits, bias)
+    ids, w = route_local_for(cfg, logits, bias, jnp.asarray(valid), 3, interpret=True)
+    np.testing.assert_array_equal(np.asarray(ids)[valid], np.asarray(want_ids)[valid] - 3)
+    assert np.all(np.asarray(ids)[~valid] == -1)
+    np.testing.assert_allclose(np.asarray(w)[valid], np.asarray(want_w)[valid], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("name", ["v3_tiny", "v2lite_tiny", "v2_group_tiny"])
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+def test_gpu_route_kernel_equals_route(name, tokens):
+    """The compiled (Triton) router == `route` on the GPU (lowering, not just interpret mode)."""
+    from pallas_kernels.moe_route import route_local_for
+
+    cfg = _cfg(name)
+    rng = np.random.default_rng(tokens)
+    logits = jnp.asarray(rng.standard_normal((tokens, cfg.n_routed_experts)).astype(np.float32) * 2)
+    bias = jnp.asarray(rng.standard_normal(cfg.n_routed_experts).astype(np.float32) * 0.1)
+    bias = bias if cfg.topk_method == "noaux_tc" else None
+    want_ids, want_w = route(cfg, logits, bias)
+    ids, w = route_local_for(cfg, logits, bias, None, 0)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=2e-6, atol=1e-7)
