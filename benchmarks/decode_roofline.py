@@ -2,7 +2,8 @@
 
     python -m benchmarks.decode_roofline --shape v2-lite --batches 1,32,128 --contexts 1024,4096
 
-For each (batch, context): `batch` requests whose first `context` tokens are already "in the
+For each (batch, context) and each `--sampling` mode (greedy; random = temperature 1; top-p;
+top-k-top-p; logprobs = top-p with 5 top logprobs): `batch` requests whose first `context` tokens are already "in the
 cache" (pages allocated, contents random: the work per step is identical) decode through the
 real engine loop (schedule, pack, dispatch, read back, stop checks), with overlapped scheduling
 and without it, in the same run. Reported per step and mode:
@@ -28,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import table, write_results
-from benchmarks.harness import clear, inject_decoding
+from benchmarks.harness import SAMPLING, clear, inject_decoding
 from benchmarks.profiling import device_busy
 from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, EngineConfig
@@ -84,6 +85,9 @@ def main(argv=None):
     parser.add_argument("--top-kernels", type=int, default=8, help="kernel names to report per row (by GPU time)")
     parser.add_argument("--graph-scheduling", default="concurrent",
                         help="concurrent | xla: how a GPU step's CUDA graph orders its kernels (EngineConfig)")
+    parser.add_argument("--sampling", default="greedy",
+                        help=f"comma list of the requests' sampling modes, each measured in the same run: {', '.join(SAMPLING)}")
+    parser.add_argument("--no-sync", action="store_true", help="measure overlapped scheduling only")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                         help="decoder layers under lax.scan (the engine's default) or unrolled")
     args = parser.parse_args(argv)
@@ -91,6 +95,10 @@ def main(argv=None):
     logging.getLogger("jax").setLevel(logging.WARNING)
 
     batches = [int(b) for b in args.batches.split(",")]
+    samplings = args.sampling.split(",")
+    for mode in samplings:
+        if mode not in SAMPLING:
+            parser.error(f"unknown --sampling {mode!r}; choose from {', '.join(SAMPLING)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     overrides = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
     folder = shape_folder(args.shape, **overrides)
@@ -106,45 +114,44 @@ def main(argv=None):
     ))
     cfg = engine.model_config
     rows = []
-    for ctx in contexts:
-        for b in batches:
-            reqs = inject_decoding(engine, b, ctx)
+    for ctx, b, mode in ((c, b, m) for c in contexts for b in batches for m in samplings):
+        reqs = inject_decoding(engine, b, ctx, sampling=mode)
+        t = time.perf_counter()
+        engine.step()  # compiles this bucket the first time
+        log.info("batch %d ctx %d %s: first step %.1fs", b, ctx, mode, time.perf_counter() - t)
+        for overlap in (True,) if args.no_sync else (True, False):
+            engine.set_overlap(overlap)
+            for _ in range(3):
+                engine.step()
             t = time.perf_counter()
-            engine.step()  # compiles this bucket the first time
-            log.info("batch %d ctx %d: first step %.1fs", b, ctx, time.perf_counter() - t)
-            for overlap in (True, False):
-                engine.set_overlap(overlap)
-                for _ in range(3):
-                    engine.step()
-                t = time.perf_counter()
-                for _ in range(args.steps):
-                    engine.step()
-                engine_s = (time.perf_counter() - t) / args.steps
-                prof = device_busy(engine.step, args.steps, sync=lambda: (engine.flush(), jax.block_until_ready(engine.executor.kv)),
-                                    top=args.top_kernels)
-                ideal_w, dense_w = weight_bytes(engine.model, b)
-                kv_bytes = b * (ctx + args.steps) * cfg.latent_dim * 2 * cfg.num_layers
-                busy = prof.busy_ms
-                row = {
-                    "batch": b, "context": ctx, "overlap": overlap,
-                    "engine_ms": engine_s * 1e3, "gpu_busy_ms": busy, "profiled_step_ms": prof.window_ms,
-                    "x_busy": engine_s * 1e3 / busy if busy else None,
-                    "host_share": 1 - busy / (engine_s * 1e3) if busy else None,
-                    "kernels_per_step": prof.kernels, "tokens_per_s": b / engine_s,
-                    "roofline_ms": (ideal_w + kv_bytes) / bw * 1e3,
-                    "dense_ms": (dense_w + kv_bytes) / bw * 1e3,
-                    "top_kernels_us": prof.top,  # (name, us per step, launches per step)
-                }
-                row["x_roofline"] = row["engine_ms"] / row["roofline_ms"]
-                row["hlo_conditionals"] = sum(
-                    text.count(" conditional(") for text in (p.as_text() for p in engine.executor._compiled.values())
-                )
-                rows.append(row)
-                log.info("%s", {k: v for k, v in row.items() if k != "top_kernels_us"})
-            engine.set_overlap(True)
-            clear(engine, reqs)
-            engine.flush()
-    cols = ["batch", "context", "overlap", "engine_ms", "gpu_busy_ms", "x_busy", "host_share", "kernels_per_step",
+            for _ in range(args.steps):
+                engine.step()
+            engine_s = (time.perf_counter() - t) / args.steps
+            prof = device_busy(engine.step, args.steps, sync=lambda: (engine.flush(), jax.block_until_ready(engine.executor.kv)),
+                                top=args.top_kernels)
+            ideal_w, dense_w = weight_bytes(engine.model, b)
+            kv_bytes = b * (ctx + args.steps) * cfg.latent_dim * 2 * cfg.num_layers
+            busy = prof.busy_ms
+            row = {
+                "batch": b, "context": ctx, "sampling": mode, "overlap": overlap,
+                "engine_ms": engine_s * 1e3, "gpu_busy_ms": busy, "profiled_step_ms": prof.window_ms,
+                "x_busy": engine_s * 1e3 / busy if busy else None,
+                "host_share": 1 - busy / (engine_s * 1e3) if busy else None,
+                "kernels_per_step": prof.kernels, "tokens_per_s": b / engine_s,
+                "roofline_ms": (ideal_w + kv_bytes) / bw * 1e3,
+                "dense_ms": (dense_w + kv_bytes) / bw * 1e3,
+                "top_kernels_us": prof.top,  # (name, us per step, launches per step)
+            }
+            row["x_roofline"] = row["engine_ms"] / row["roofline_ms"]
+            row["hlo_conditionals"] = sum(
+                text.count(" conditional(") for text in (p.as_text() for p in engine.executor._compiled.values())
+            )
+            rows.append(row)
+            log.info("%s", {k: v for k, v in row.items() if k != "top_kernels_us"})
+        engine.set_overlap(True)
+        clear(engine, reqs)
+        engine.flush()
+    cols = ["batch", "context", "sampling", "overlap", "engine_ms", "gpu_busy_ms", "x_busy", "host_share", "kernels_per_step",
             "tokens_per_s", "roofline_ms", "x_roofline"]
     print(table(rows, cols))
     write_results("decode_roofline", {

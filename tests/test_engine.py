@@ -6,6 +6,7 @@ import pytest
 
 from splash_jax.compile_guard import count_compiles
 from splash_jax.engine.request import accumulate
+from splash_jax.engine.sampler import SamplerMode
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
@@ -133,6 +134,23 @@ def test_seeded_sampling_reproduces_across_batches(engine):
     assert crowd[2].token_ids != alone  # another prompt, another stream
     other_seed = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=1.0, seed=99))[0]
     assert other_seed.token_ids != alone
+
+
+def test_a_seeded_stream_does_not_depend_on_the_sampler_mode_of_its_steps(engine, monkeypatch):
+    """Alone, a plain temperature request runs the sampler without a filter or top-n; beside a
+    top-p + logprobs request every step runs the full mode: the same tokens and logprobs."""
+    used, program = [], engine.executor.sampler_program
+    monkeypatch.setattr(engine.executor, "sampler_program", lambda rows, mode: used.append(mode) or program(rows, mode))
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=77, logprobs=0)
+    alone = engine.generate([PROMPTS[0]], p)[0]
+    assert set(used) == {SamplerMode(filter=False, top_logprobs=False)}
+    used.clear()
+    crowd = engine.generate([PROMPTS[0], PROMPTS[2]],
+                            [p, SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, logprobs=3, seed=5)])
+    assert set(used) == {SamplerMode(filter=True, top_logprobs=True)}
+    assert crowd[0].token_ids == alone.token_ids
+    np.testing.assert_allclose(crowd[0].logprobs, alone.logprobs, rtol=1e-5)
+    assert len(crowd[1].top_logprobs[0]) == 3
 
 
 def test_top_k_one_is_greedy_and_logprobs_are_the_model_distribution(engine, model, reference):

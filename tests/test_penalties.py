@@ -13,7 +13,7 @@ import pytest
 
 from splash_jax.engine.penalties import PenaltyState, process_logits, update_history
 from splash_jax.engine.request import SamplingParams
-from splash_jax.engine.sampler import SamplerWidths, SamplingInputs, filter_logits, sample
+from splash_jax.engine.sampler import FULL_MODE, SamplerMode, SamplerWidths, SamplingInputs, filter_logits, sample
 
 V, S = 64, 4
 WIDTHS = SamplerWidths(num_suppress=4, num_bias=5)
@@ -150,6 +150,41 @@ def test_neutral_rows_and_no_state_are_unchanged():
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert np.array_equal(np.asarray(process_logits(logits, extended, state)), np.asarray(logits))
+
+
+def test_serving_mode_is_the_least_that_serves_every_row():
+    off = SamplerMode(filter=False, top_logprobs=False)
+    assert SamplerMode.serving([]) == off
+    assert SamplerMode.serving([SamplingParams(temperature=1.0), SamplingParams(logprobs=0)]) == off
+    assert SamplerMode.serving([SamplingParams(top_p=0.5)]) == off  # greedy rows never draw
+    for p in (SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=1.0, min_p=0.1)):
+        assert SamplerMode.serving([SamplingParams(), p]) == SamplerMode(filter=True, top_logprobs=False)
+    assert SamplerMode.serving([SamplingParams(logprobs=2)]) == SamplerMode(filter=False, top_logprobs=True)
+
+
+@pytest.mark.parametrize("mode", [SamplerMode(False, False), SamplerMode(False, True), SamplerMode(True, False)])
+def test_a_lighter_sampler_mode_gives_the_full_modes_results_for_the_rows_it_serves(mode):
+    """Rows that need neither a filter nor top-n (the rows a lighter mode is picked for) get the
+    full sampler's tokens and logprobs bit for bit; top-n comes back as zeros when not computed."""
+    rng = np.random.default_rng(5)
+    rows = 12
+    logits = jnp.asarray(rng.normal(0, 3, (rows, V)).astype(np.float32))
+    s = SamplingInputs.host(rows, WIDTHS)
+    params = [random_params(rng) for _ in range(rows)]
+    for i, p in enumerate(params):
+        p.top_k, p.top_p, p.min_p = 0, 1.0, 0.0  # what a step in a non-filtering mode holds
+        s.set_row(i, p, seed=50 + i, num_generated=3, slot=i % S, eos_ids=EOS)
+    state = state_of({k: ([1, 2], [3, 5, 5]) for k in range(S)})
+    full = jax.jit(lambda x: sample(x, s, state, mode=FULL_MODE))(logits)
+    light = jax.jit(lambda x: sample(x, s, state, mode=mode))(logits)
+    assert any(p.temperature > 0 for p in params) and any(p.temperature == 0 for p in params)
+    np.testing.assert_array_equal(np.asarray(light.tokens), np.asarray(full.tokens))
+    np.testing.assert_array_equal(np.asarray(light.logprob), np.asarray(full.logprob))
+    if mode.top_logprobs:
+        np.testing.assert_array_equal(np.asarray(light.top_ids), np.asarray(full.top_ids))
+    else:
+        assert not np.asarray(light.top_ids).any() and not np.asarray(light.top_logprobs).any()
 
 
 def test_min_tokens_suppresses_until_reached():

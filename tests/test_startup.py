@@ -16,7 +16,10 @@ def test_one_device_switching_compiles_one_layout_and_switches_without_compiling
     engine = Engine(EngineConfig(layout="dp", enable_switching=True, compile_threads=2, **KW))
     stats = engine.stats()["compile"]
     assert stats["by_kind"]["steps"]["programs"] == steps  # tp's programs serve all four layouts
-    assert stats["programs"] == steps + stats["by_kind"]["migration"]["programs"]
+    samplers = fixed.stats()["compile"]["by_kind"]["samplers"]["programs"]
+    assert samplers == 4 * len({b.requests for b in fixed.executor.buckets(fixed.layout)})  # every (rows, mode)
+    assert stats["by_kind"]["samplers"]["programs"] == samplers
+    assert stats["programs"] == steps + samplers + stats["by_kind"]["migration"]["programs"]
     assert stats["seconds"] > 0 and stats["cache_hits"] == 0
     with count_compiles() as compiles:
         for dst in ("dop", "cp", "tp"):

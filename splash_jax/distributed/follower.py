@@ -19,6 +19,7 @@ from splash_jax.distributed.channel import PeerLost, exit_on_failure
 from splash_jax.distributed.leader import MirrorError, global_step_inputs
 from splash_jax.distributed.wire import Command
 from splash_jax.engine.executor import Bucket
+from splash_jax.engine.sampler import SamplerMode
 from splash_jax.mesh.layouts import get_layout
 from splash_jax.switch.migration import PageChunk, drop_extra_segment
 
@@ -63,7 +64,8 @@ class Follower:
         a = cmd.arrays
         try:
             inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"])
-            self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"], cmd.fields.get("expanded", False))
+            self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"], cmd.fields.get("expanded", False),
+                        SamplerMode(**cmd.fields.get("mode", {})))
         except Exception as e:  # noqa: BLE001 - process 0 sees the same failure and sends `reset`
             log.warning("mirrored step failed (%s: %s); waiting for process 0's recovery", type(e).__name__, e)
 

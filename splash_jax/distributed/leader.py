@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from splash_jax.distributed.wire import Command
+from splash_jax.engine.sampler import FULL_MODE, SamplerMode
 from splash_jax.switch.migration import drop_extra_segment
 
 
@@ -83,12 +84,13 @@ class LeaderExecutor:
         setattr(self._inner, name, value)
 
     def run(self, bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
-            expanded: bool = False):
+            expanded: bool = False, mode: SamplerMode = FULL_MODE):
         self._channel.send(Command(
-            "step", {"bucket": dataclasses.asdict(bucket), "full": bool(full), "expanded": bool(expanded), "t": time.time()},
+            "step", {"bucket": dataclasses.asdict(bucket), "full": bool(full), "expanded": bool(expanded),
+                     "mode": dataclasses.asdict(mode), "t": time.time()},
             {"rep": rep, "dev": dev, "move": move},
         ))
-        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full, expanded)
+        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full, expanded, mode)
 
     def reset_device_state(self) -> None:
         self._channel.send(Command("reset"))

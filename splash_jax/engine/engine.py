@@ -33,7 +33,7 @@ from splash_jax.engine.config import EngineConfig
 from splash_jax.engine.executor import StepExecutor, StepResult
 from splash_jax.engine.output_processor import OutputProcessor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
-from splash_jax.engine.sampler import SamplerWidths, needs_full
+from splash_jax.engine.sampler import SAMPLER_MODES, SamplerMode, SamplerWidths, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.engine.step_timeline import StepTimeline
@@ -255,10 +255,10 @@ class Engine:
         rows write no page a request owns), in every layout when switching, and end in the layout
         the engine started in. Returns the number of programs run. Only while idle; the start-up
         switches it makes are not counted in the switch history. full_sampler=False: the greedy
-        programs only (a caller that compiled only those)."""
+        programs only (a caller that compiled only those). The count includes the sampler programs."""
         if self.scheduler.running or self.scheduler.waiting or self._inflight is not None:
             raise RuntimeError("run_every_program_once needs an idle engine")
-        start, t0, count = self.layout.name, time.perf_counter(), 0
+        start, t0, count, samplers = self.layout.name, time.perf_counter(), 0, set()
         history = list(self.switcher.history) if self.switcher is not None else []
         # One device: every layout runs TP's programs (StepExecutor.program_layout), so one pass does.
         others = [n for n in LAYOUT_NAMES if n != start] if self.switcher is not None and self.n > 1 else []
@@ -277,9 +277,14 @@ class Engine:
                                            self.slot_sampling, self.config.page_size)
                         for move in moves if not expanded else [None]:
                             for full in (False, True) if full_sampler else (False,):
-                                ex.run(bucket, packed.rep, packed.dev, move, full, expanded)
+                                # a full step once per sampler mode, so every sampler program runs too
+                                for mode in SAMPLER_MODES if full else SAMPLER_MODES[-1:]:
+                                    ex.run(bucket, packed.rep, packed.dev, move, full, expanded, mode)
+                                    if full:
+                                        samplers.add((ex.shape(self.layout, bucket, expanded).rows, mode))
                                 count += 1
             self._switch_while_idle(start)
+            count += len(samplers)
         finally:
             self.policy = policy
         jax.block_until_ready(self.executor.pool)
@@ -409,7 +414,8 @@ class Engine:
             bucket, expanded, packed = self._pack(chunks, expand=False)
         try:
             full = any(needs_full(c.request.params) for c in chunks)
-            result = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded)
+            mode = SamplerMode.serving(c.request.params for c in chunks)
+            result = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode)
         except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
             self._recover(e, chunks)
             return None

@@ -1,5 +1,8 @@
 """The step executor: one forward + sample program per (layout, bucket), compiled ahead of time,
 and the one owner of the device state those programs update (params, KV pool, penalty state).
+A step whose rows draw, want logprobs or use penalties (the `full` variant) leaves its logits to
+a small sampler program per (rows, SamplerMode), so only the rows' wishes decide the
+vocabulary-wide work (a filter sort, top-n logprobs) and no step program is compiled per wish.
 
 Each program is the whole model step inside one `jax.shard_map` over the mesh, with the
 layout's explicit collectives (splash_jax/attention/layouts.py). It takes
@@ -36,7 +39,7 @@ from splash_jax.attention import expanded
 from splash_jax.attention.layouts import ShardedContext
 from splash_jax.compile_stats import CompileStats
 from splash_jax.engine.penalties import PenaltyState, update_history
-from splash_jax.engine.sampler import SamplerWidths, sample
+from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, SamplingInputs, sample
 from splash_jax.engine.step_packer import StepShape, unpack_step
 from splash_jax.kv.cache import KVCache, StepInput
 from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
@@ -128,6 +131,16 @@ class StepResult:
     top_logprobs: jax.Array
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepLogits:
+    """A full-sampler step's device outputs, the input of a sampler program (one per
+    (rows, SamplerMode)): the step program stays one per bucket whatever its rows ask for."""
+
+    logits: jax.Array  # [rows, V] float32, replicated
+    sampling: SamplingInputs  # [rows], replicated
+
+
 # Scanned layers on GPUs: a layer's weights are slices of the stacks, and XLA copies a slice whole
 # before a Triton GEMM fusion reads it (~62 MB per V2-Lite layer, 1.15 ms per step at 27 layers
 # on an H200). cuBLAS GEMMs with dynamic-slice fusion read the slice in place: with these options
@@ -215,6 +228,7 @@ class StepExecutor:
         self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
         self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
         self._compiled: dict[tuple[str, Bucket, bool, bool, bool], object] = {}
+        self._samplers: dict[tuple[int, SamplerMode], object] = {}  # (logits rows, mode) -> compiled
         self.num_compiled = 0
         self.compile_seconds = 0.0
         self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
@@ -320,9 +334,11 @@ class StepExecutor:
             logits, kv = model(kv, batch, ctx=ctx)
             if moving:
                 kv = move_pages_finish(kv, outgoing, move[0][0])
-            if full:  # the host picks `full` whenever a request of the step needs penalties
+            if full:  # the host picks `full` whenever a request of the step needs penalties; the
+                # step's sampler program (sampler_program) draws from these logits
                 penalties = update_history(penalties, batch.tokens, batch.positions, token_slot, prompt_len)
-            out = sample(logits, sampling, penalties, full=full)
+                return StepLogits(logits.astype(jnp.float32), sampling), kv, penalties
+            out = sample(logits, sampling, None, full=False)
             tokens = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
             return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties
 
@@ -332,9 +348,51 @@ class StepExecutor:
         in_specs = (param_specs_, kv_specs, pen_specs, P(), P(), P(AXIS)) + ((P(AXIS),) if moving else ())
         mapped = jax.shard_map(
             per_device, mesh=self.mesh, in_specs=in_specs,
-            out_specs=(StepResult(P(), P(), P(), P()), kv_specs, pen_specs), check_vma=False,
+            out_specs=(P(), kv_specs, pen_specs), check_vma=False,
         )
         return jax.jit(mapped, donate_argnums=(1, 2)), shape
+
+    def _sampler_program(self, rows: int, mode: SamplerMode):
+        """Penalties, the draw and what `mode` asks for, on a full step's StepLogits; replicated
+        like the logits (every device samples the same rows), the penalty state only read."""
+        max_rows = self.max_rows
+
+        def fn(step: StepLogits, penalties: PenaltyState) -> StepResult:
+            out = sample(step.logits, step.sampling, penalties, full=True, mode=mode)
+            tokens = jnp.zeros(max_rows, jnp.int32).at[:rows].set(out.tokens)
+            return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs)
+
+        return jax.jit(fn, out_shardings=self.replicated)
+
+    def lower_sampler(self, rows: int, mode: SamplerMode):
+        vocab = self.penalties.output_counts.shape[-1]
+        step = StepLogits(jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=self.replicated),
+                          SamplingInputs.abstract(rows, self.widths, self.replicated))
+        pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
+        return self._sampler_program(rows, mode).lower(step, pen)
+
+    def sampler_program(self, rows: int, mode: SamplerMode):
+        """The compiled sampler program for `rows` logits rows (compiled here only without warm-up)."""
+        program = self._samplers.get((rows, mode))
+        if program is None:
+            program = self._samplers[(rows, mode)] = self.lower_sampler(rows, mode).compile()
+            self.num_compiled += 1
+        return program
+
+    def sampler_rows(self, layouts: list[Layout]) -> list[int]:
+        """Logits rows of every bucket's step in these layouts: the sampler programs warm-up needs."""
+        return sorted({self.shape(lay, b).rows for lay in layouts for b in self.buckets(lay)})
+
+    def compile_samplers(self, layouts: list[Layout]) -> int:
+        """Compile the sampler program of every (rows, mode) these layouts' full steps can need."""
+        todo = [(r, m) for r in self.sampler_rows(layouts) for m in SAMPLER_MODES if (r, m) not in self._samplers]
+        with self.compile_stats.track("samplers") as rec:
+            for key in todo:
+                self._samplers[key] = self.lower_sampler(*key).compile()
+            rec["programs"] = len(todo)
+        self.num_compiled += len(todo)
+        self.compile_seconds += rec["seconds"]
+        return len(todo)
 
     def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False):
         fn, shape = self._program(layout, bucket, moving, full, expanded)
@@ -417,9 +475,10 @@ class StepExecutor:
             rec["programs"] = built
         self.num_compiled += built
         self.compile_seconds += rec["seconds"]
+        samplers = self.compile_samplers(layouts)
         log.info(
-            "compiled %d step programs (%s) in %.1fs with %d threads (%d from the persistent cache)",
-            built, ",".join(l.name for l in layouts), rec["seconds"], workers, rec["cache_hits"],
+            "compiled %d step programs (%s) in %.1fs with %d threads (%d from the persistent cache) and %d sampler programs",
+            built, ",".join(l.name for l in layouts), rec["seconds"], workers, rec["cache_hits"], samplers,
         )
         return rec["seconds"]
 
@@ -446,10 +505,11 @@ class StepExecutor:
     # --- running --------------------------------------------------------------------------
     def run(
         self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
-        expanded: bool = False,
+        expanded: bool = False, mode: SamplerMode = FULL_MODE,
     ) -> StepResult:
         """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced.
-        full: the sampler with random draws, top-n logprobs and penalties (sampler.needs_full).
+        full: the sampler with random draws, logprobs and penalties (sampler.needs_full), then a
+        sampler program for `mode` (what the step's rows ask for beyond that) after the step's.
         expanded: the program with a prefill_span (packed with `shape(..., expanded=True)`)."""
         if expanded and move is not None:
             raise ValueError("a step that moves pages has no expanded-prefill program")
@@ -458,6 +518,8 @@ class StepExecutor:
         if move is not None:
             inputs.append(jax.device_put(move, self.per_device))
         out, self.kv, self.penalties = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)
+        if full:
+            out = self.sampler_program(out.logits.shape[0], mode)(out, self.penalties)
         self.prev_tokens = out.tokens
         return out
 
