@@ -1,13 +1,20 @@
-"""The sampler's vocabulary-wide work at decode sizes: the top-k/top-p cut-off by a sort (the
-sampler before `engine/order_stats.py`) against the threshold search, the top-n logprobs'
-`lax.top_k`, the random draw, and the whole `sample()` (greedy and full), one GPU.
+"""The sampler's vocabulary-wide work at decode sizes, one GPU: the top-k/top-p cut-off by a sort
+(what the sampler does) against an exact threshold search in XLA (below: the cut-off is the
+smallest value v of a row whose higher entries count or weigh less than the limit, found over the
+float32 bit patterns, `fanout` candidates per pass), the top-n logprobs' `lax.top_k`, the draw,
+and the whole `sample()` per sampler mode.
 
 Each case is one jitted call on [rows, vocab] float32 logits, its GPU busy time per call from a
-profiler trace. The search's masks are checked equal to the sort's on every case.
+profiler trace; the search's masks are compared with the sort's. Measured on an H200
+(`sampler_gpu-nvidia-h200_20261201-190927.json`): the search is faster than the sort at 8 rows
+(142 vs 224 us at 102K) and slower at 128 (1,283 vs 1,056 us): XLA emits the [rows, fanout,
+vocab] compare-and-sum as one row reduction per candidate, re-reading the row `fanout` times.
+So the sampler keeps the sort and runs it only in steps where a row filters (SamplerMode).
 
   PYTHONPATH=. python benchmarks/probes/sampler.py [--rows 1,8,128] [--vocab 102400,129280]
 """
 import argparse
+import math
 import logging
 
 import jax
@@ -16,11 +23,79 @@ import numpy as np
 
 from benchmarks.common import table, write_results
 from benchmarks.profiling import device_busy
-from splash_jax.engine import order_stats
 from splash_jax.engine.request import MAX_LOGPROBS
-from splash_jax.engine.sampler import SamplingInputs, _draw, sample
+from splash_jax.engine.sampler import SAMPLER_MODES, SamplingInputs, _draw, sample
 
 log = logging.getLogger("probe.sampler")
+
+FANOUT = 16  # candidates per pass: 8 passes over 32-bit keys
+
+
+def order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys that order like the float32 values (-0.0 counts as +0.0; no NaNs expected)."""
+    x = jnp.where(x == 0, jnp.zeros_like(x), x).astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def key_values(keys: jax.Array) -> jax.Array:
+    """The float32 values of order keys (the inverse of `order_keys`)."""
+    negative = (keys >> 31) == 0
+    bits = jnp.where(negative, ~keys, keys & jnp.uint32(0x7FFFFFFF))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def passes_for(fanout: int) -> int:
+    """Passes that shrink any 32-bit interval to one key when each keeps 1/fanout of it."""
+    return math.ceil(32 / math.log2(fanout))
+
+
+def smallest_keys_below(keys: jax.Array, weights: tuple, limits: tuple, fanout: int = FANOUT) -> tuple:
+    """For each (weights, limit) pair and each row r: the smallest key K with
+    sum(weights[r, keys[r] > K]) < limit[r] (weights None = 1 per entry, i.e. a count).
+
+    keys [R, V] uint32; each weights [R, V] float32 or None; each limit [R] float32 > 0.
+    All searches share each pass's read of the keys. Returns one uint32 [R] per pair; each is a
+    key of its row, or 0 when even the row's smallest entry counts below the limit.
+    """
+    rows = keys.shape[0]
+    top = jnp.max(keys, axis=-1)  # S(top) = 0 < limit: the answer is in [0, top]
+    bounds = [(jnp.zeros(rows, jnp.uint32), top) for _ in limits]
+    offsets = jnp.arange(fanout, dtype=jnp.uint32)
+    for _ in range(passes_for(fanout)):
+        new = []
+        for (lo, hi), w, limit in zip(bounds, weights, limits):
+            step = (hi - lo) // fanout + 1
+            cand = jnp.minimum(lo[:, None] + offsets[None, :] * step[:, None], hi[:, None])  # [R, F], ascending
+            above = keys[:, None, :] > cand[:, :, None]  # [R, F, V], fused into the reduction
+            mass = jnp.sum(above, axis=-1, dtype=jnp.float32) if w is None else jnp.sum(
+                jnp.where(above, w[:, None, :], 0.0), axis=-1)
+            below = mass < limit[:, None]  # False ... False True ... True along F
+            first = fanout - jnp.sum(below, axis=-1)  # the first candidate below the limit (F: none)
+            at = lambda i: jnp.take_along_axis(cand, jnp.clip(i, 0, fanout - 1)[:, None], axis=-1)[:, 0]
+            new_hi = jnp.where(first < fanout, at(first), hi)
+            new_lo = jnp.where(first == 0, lo, at(first - 1) + 1)
+            new.append((new_lo, new_hi))
+        bounds = new
+    return tuple(hi for _, hi in bounds)
+
+
+def top_k_top_p_cutoff(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, fanout: int = FANOUT) -> jax.Array:
+    """Per row, the value at and above which an entry survives top-k and top-p ([R] float32).
+
+    top_k [R] int32 (0 = off), top_p [R] float32 (>= 1 = off); probabilities for top-p are the
+    softmax of `scaled`. Equal to a sort: the k-th largest value, and the smallest value v whose
+    higher entries hold less than top_p of the mass (ties at the cut-off are kept)."""
+    vocab = scaled.shape[-1]
+    keys = order_keys(scaled)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.float32)
+    p = jnp.where(top_p >= 1.0, jnp.inf, top_p).astype(jnp.float32)  # float32 mass can reach 1 early
+    key_k, key_p = smallest_keys_below(keys, (None, probs), (k, p), fanout)
+    floor = order_keys(jnp.full((), -jnp.inf, jnp.float32))  # key 0 (keep all) would read as a NaN
+    return key_values(jnp.maximum(jnp.maximum(key_k, key_p), floor))
+
 
 
 def sort_cutoff_mask(scaled, top_k, top_p):
@@ -37,7 +112,7 @@ def sort_cutoff_mask(scaled, top_k, top_p):
 
 
 def search_mask(scaled, top_k, top_p, fanout):
-    cut = order_stats.top_k_top_p_cutoff(scaled, top_k, top_p, fanout)
+    cut = top_k_top_p_cutoff(scaled, top_k, top_p, fanout)
     return jnp.where(scaled >= cut[:, None], scaled, -jnp.inf)
 
 
@@ -80,7 +155,8 @@ def main(argv=None):
                 "log_softmax": jax.jit(lambda a: jax.nn.log_softmax(a, axis=-1)),
                 "draw (filter + categorical)": jax.jit(lambda a: _draw(a, s)),
                 "sample greedy": jax.jit(lambda a: sample(a, s, None, full=False)),
-                "sample full": jax.jit(lambda a: sample(a, s, None, full=True)),
+                **{f"sample full, filter={m.filter} top_logprobs={m.top_logprobs}":
+                   jax.jit(lambda a, m=m: sample(a, s, None, full=True, mode=m)) for m in SAMPLER_MODES},
             }
             for name, fn in others.items():
                 jax.block_until_ready(fn(x))
