@@ -23,6 +23,7 @@ import numpy as np
 
 from benchmarks.common import table, write_results
 from benchmarks.profiling import device_busy
+from pallas_kernels import sample_cutoff
 from splash_jax.engine.request import MAX_LOGPROBS
 from splash_jax.engine.sampler import SAMPLER_MODES, SamplingInputs, _draw, sample
 
@@ -51,7 +52,8 @@ def passes_for(fanout: int) -> int:
     return math.ceil(32 / math.log2(fanout))
 
 
-def smallest_keys_below(keys: jax.Array, weights: tuple, limits: tuple, fanout: int = FANOUT) -> tuple:
+def smallest_keys_below(keys: jax.Array, weights: tuple, limits: tuple, fanout: int = FANOUT,
+                        candidates_minor: bool = False) -> tuple:
     """For each (weights, limit) pair and each row r: the smallest key K with
     sum(weights[r, keys[r] > K]) < limit[r] (weights None = 1 per entry, i.e. a count).
 
@@ -68,9 +70,14 @@ def smallest_keys_below(keys: jax.Array, weights: tuple, limits: tuple, fanout: 
         for (lo, hi), w, limit in zip(bounds, weights, limits):
             step = (hi - lo) // fanout + 1
             cand = jnp.minimum(lo[:, None] + offsets[None, :] * step[:, None], hi[:, None])  # [R, F], ascending
-            above = keys[:, None, :] > cand[:, :, None]  # [R, F, V], fused into the reduction
-            mass = jnp.sum(above, axis=-1, dtype=jnp.float32) if w is None else jnp.sum(
-                jnp.where(above, w[:, None, :], 0.0), axis=-1)
+            if candidates_minor:  # [R, V, F]: a column reduction over V, F outputs per read key
+                above = keys[:, :, None] > cand[:, None, :]
+                mass = jnp.sum(above, axis=1, dtype=jnp.float32) if w is None else jnp.sum(
+                    jnp.where(above, w[:, :, None], 0.0), axis=1)
+            else:  # [R, F, V]: one row reduction per candidate
+                above = keys[:, None, :] > cand[:, :, None]
+                mass = jnp.sum(above, axis=-1, dtype=jnp.float32) if w is None else jnp.sum(
+                    jnp.where(above, w[:, None, :], 0.0), axis=-1)
             below = mass < limit[:, None]  # False ... False True ... True along F
             first = fanout - jnp.sum(below, axis=-1)  # the first candidate below the limit (F: none)
             at = lambda i: jnp.take_along_axis(cand, jnp.clip(i, 0, fanout - 1)[:, None], axis=-1)[:, 0]
@@ -81,7 +88,8 @@ def smallest_keys_below(keys: jax.Array, weights: tuple, limits: tuple, fanout: 
     return tuple(hi for _, hi in bounds)
 
 
-def top_k_top_p_cutoff(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, fanout: int = FANOUT) -> jax.Array:
+def top_k_top_p_cutoff(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, fanout: int = FANOUT,
+                       candidates_minor: bool = False) -> jax.Array:
     """Per row, the value at and above which an entry survives top-k and top-p ([R] float32).
 
     top_k [R] int32 (0 = off), top_p [R] float32 (>= 1 = off); probabilities for top-p are the
@@ -92,7 +100,7 @@ def top_k_top_p_cutoff(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, fa
     probs = jax.nn.softmax(scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.float32)
     p = jnp.where(top_p >= 1.0, jnp.inf, top_p).astype(jnp.float32)  # float32 mass can reach 1 early
-    key_k, key_p = smallest_keys_below(keys, (None, probs), (k, p), fanout)
+    key_k, key_p = smallest_keys_below(keys, (None, probs), (k, p), fanout, candidates_minor)
     floor = order_keys(jnp.full((), -jnp.inf, jnp.float32))  # key 0 (keep all) would read as a NaN
     return key_values(jnp.maximum(jnp.maximum(key_k, key_p), floor))
 
@@ -111,8 +119,24 @@ def sort_cutoff_mask(scaled, top_k, top_p):
     return jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
 
 
-def search_mask(scaled, top_k, top_p, fanout):
-    cut = top_k_top_p_cutoff(scaled, top_k, top_p, fanout)
+def f64_mask(scaled: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """The filter in float64 numpy (the sort's definition): which entries survive."""
+    x = scaled.astype(np.float64)
+    order = np.argsort(-x, axis=-1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=-1)
+    vocab = x.shape[-1]
+    k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
+    kth = xs[np.arange(len(x)), k - 1]
+    p = np.exp(xs - xs[:, :1])
+    p /= p.sum(-1, keepdims=True)
+    before = np.cumsum(p, -1) - p
+    keep = (before < top_p[:, None]) | (top_p[:, None] >= 1)
+    cutoff = np.where(keep, xs, np.inf).min(-1)
+    return x >= np.maximum(kth, cutoff)[:, None]
+
+
+def search_mask(scaled, top_k, top_p, fanout, candidates_minor=False):
+    cut = top_k_top_p_cutoff(scaled, top_k, top_p, fanout, candidates_minor)
     return jnp.where(scaled >= cut[:, None], scaled, -jnp.inf)
 
 
@@ -138,15 +162,20 @@ def main(argv=None):
             s = jax.tree.map(jnp.asarray, s)
             cases = {
                 "sort cut-off": jax.jit(sort_cutoff_mask),
-                **{f"search cut-off f{f}": jax.jit(lambda a, b, c, f=int(f): search_mask(a, b, c, f))
-                   for f in args.fanouts.split(",")},
+                "kernel cut-off": jax.jit(lambda a, b, c: jnp.where(
+                    a >= sample_cutoff.top_k_top_p_cutoff(a, b, c)[:, None], a, -jnp.inf)),
+                **{f"search cut-off f{f}{' VF' if vf else ''}": jax.jit(lambda a, b, c, f=int(f), vf=vf: search_mask(a, b, c, f, vf))
+                   for f in args.fanouts.split(",") for vf in (False, True)},
             }
             want = np.asarray(cases["sort cut-off"](x, top_k, top_p))
+            exact = f64_mask(np.asarray(x), np.asarray(top_k), np.asarray(top_p))
             for name, fn in cases.items():
                 got = np.asarray(fn(x, top_k, top_p))
+                off = np.isfinite(got) != exact  # entries kept or dropped unlike the float64 filter
                 prof = device_busy(lambda: fn(x, top_k, top_p), args.calls)
                 rows_out.append({"vocab": vocab, "rows": rows, "case": name, "busy_us": prof.busy_ms * 1e3 if prof.busy_ms else None,
                                  "kernels": prof.kernels, "equal_to_sort": bool(np.array_equal(got, want)),
+                                 "rows_off_f64": int(off.any(-1).sum()), "entries_off_f64": int(off.sum()),
                                  "top": [(n[:50], round(us, 1)) for n, us, _ in prof.top[:4]]})
                 log.info("%s", rows_out[-1])
             others = {
@@ -162,10 +191,10 @@ def main(argv=None):
                 jax.block_until_ready(fn(x))
                 prof = device_busy(lambda: fn(x), args.calls)
                 rows_out.append({"vocab": vocab, "rows": rows, "case": name, "busy_us": prof.busy_ms * 1e3 if prof.busy_ms else None,
-                                 "kernels": prof.kernels, "equal_to_sort": None,
+                                 "kernels": prof.kernels, "equal_to_sort": None, "rows_off_f64": None, "entries_off_f64": None,
                                  "top": [(n[:50], round(us, 1)) for n, us, _ in prof.top[:4]]})
                 log.info("%s", rows_out[-1])
-    print(table(rows_out, ["vocab", "rows", "case", "busy_us", "kernels", "equal_to_sort"]))
+    print(table(rows_out, ["vocab", "rows", "case", "busy_us", "kernels", "equal_to_sort", "rows_off_f64", "entries_off_f64"]))
     for r in rows_out:
         print(r["vocab"], r["rows"], r["case"], r["top"])
     write_results("sampler", {"args": vars(args), "rows": rows_out})
