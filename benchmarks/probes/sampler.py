@@ -23,7 +23,6 @@ import numpy as np
 
 from benchmarks.common import table, write_results
 from benchmarks.profiling import device_busy
-from pallas_kernels import sample_cutoff
 from splash_jax.engine.request import MAX_LOGPROBS
 from splash_jax.engine.sampler import SAMPLER_MODES, SamplingInputs, _draw, sample
 
@@ -146,6 +145,7 @@ def main(argv=None):
     ap.add_argument("--vocab", default="102400,129280")
     ap.add_argument("--fanouts", default="8,16,32")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--xla-search", action=argparse.BooleanOptionalAction, default=True, help="time the XLA searches too")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rows_out = []
@@ -162,10 +162,8 @@ def main(argv=None):
             s = jax.tree.map(jnp.asarray, s)
             cases = {
                 "sort cut-off": jax.jit(sort_cutoff_mask),
-                "kernel cut-off": jax.jit(lambda a, b, c: jnp.where(
-                    a >= sample_cutoff.top_k_top_p_cutoff(a, b, c)[:, None], a, -jnp.inf)),
                 **{f"search cut-off f{f}{' VF' if vf else ''}": jax.jit(lambda a, b, c, f=int(f), vf=vf: search_mask(a, b, c, f, vf))
-                   for f in args.fanouts.split(",") for vf in (False, True)},
+                   for f in (args.fanouts.split(",") if args.xla_search else []) for vf in (False, True)},
             }
             want = np.asarray(cases["sort cut-off"](x, top_k, top_p))
             exact = f64_mask(np.asarray(x), np.asarray(top_k), np.asarray(top_p))

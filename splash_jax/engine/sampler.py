@@ -111,17 +111,9 @@ def _min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-CUTOFF_KERNEL_BACKENDS = ("gpu",)  # backends whose filter finds the cut-offs without a sort
-
-
 def _top_k_top_p(scaled: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Mask everything outside each row's top-k and top-p set. On GPUs the cut-offs come from a
-    threshold search (pallas_kernels/sample_cutoff.py: 128 x 102K rows 1.06 -> ~0.3 ms on an H200);
-    elsewhere from one sort of the vocabulary. The same set, ties at the cut-off kept."""
-    if jax.default_backend() in CUTOFF_KERNEL_BACKENDS:
-        from pallas_kernels.sample_cutoff import top_k_top_p_cutoff
-
-        return jnp.where(scaled >= top_k_top_p_cutoff(scaled, s.top_k, s.top_p)[:, None], scaled, -jnp.inf)
+    """Mask everything outside each row's top-k and top-p set (one sort of the vocabulary; only in
+    steps whose rows filter, see SamplerMode)."""
     vocab = scaled.shape[-1]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
     # top-k: drop everything below the k-th largest value.
