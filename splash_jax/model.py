@@ -40,6 +40,7 @@ class RuntimeOptions:
     attention_impl: str = "auto"  # auto | xla | pallas | naive
     scan_layers: bool = True  # layers stacked per group under lax.scan (False: one module per layer, unrolled)
     expert_format: str = "model"  # routed experts: "model" (the dtype above) | "fp8" (e4m3 + block scales in HBM)
+    moe_impl: str = "auto"  # routed experts' path (moe.MOE_IMPLS): auto = the Pallas kernel on GPUs, XLA elsewhere
 
 
 class MLAttention(nnx.Module):
@@ -143,12 +144,12 @@ class LocalContext:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs, expert_format: str = "model"):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs, expert_format: str = "model", moe_impl: str = "auto"):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         self.attn = MLAttention(cfg, dtype, rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         if cfg.is_moe_layer(layer):
-            self.mlp = MoE(cfg, dtype, rngs, expert_format)
+            self.mlp = MoE(cfg, dtype, rngs, expert_format, moe_impl)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.arrays.intermediate_size, dtype, rngs)
 
@@ -174,7 +175,7 @@ class DeepseekForCausalLM(nnx.Module):
         self.options = options
         vocab = cfg.arrays.vocab_size
         self.embed = init_param(rngs, (vocab, cfg.hidden_size), dtype, std=1.0)
-        layers = [DecoderLayer(cfg, i, dtype, rngs, options.expert_format) for i in range(cfg.num_layers)]  # same init either way
+        layers = [DecoderLayer(cfg, i, dtype, rngs, options.expert_format, options.moe_impl) for i in range(cfg.num_layers)]  # same init either way
         if options.scan_layers:
             for name, indices in layer_groups(cfg).items():
                 setattr(self, name, stack_layers([layers[i] for i in indices]))

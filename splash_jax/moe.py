@@ -4,7 +4,8 @@ Experts are stacked [E, ...] so one sharding rule ("shard the expert axis") plac
 Experts may be sharded over devices (each holds a contiguous range); ids outside the local
 range get weight 0 and the caller sums the partial results.
 The routed experts have several exact implementations, picked in Python from static shapes and
-the backend by `resolve_moe_impl` (like `attention/dispatch.py`; the model's `moe_impl` option):
+the backend by `resolve_moe_impl` (like `attention/dispatch.py`; `RuntimeOptions.moe_impl`, the
+engine's `--moe-impl`):
 
   "xla"      the XLA reference, itself two paths by token count: with very few tokens
              (4 * tokens * top_k <= experts) only the chosen experts' weights are gathered
@@ -178,9 +179,11 @@ def dequantize_blocks(values: jax.Array, scales: jax.Array, block: int, dtype) -
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs, expert_format: str = "model"):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, expert_format: str = "model", impl: str = "auto"):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
+        resolve_moe_impl(impl, "cpu", 1, 1, 1, 16, 16)  # an unknown name fails at construction
+        self.impl = impl  # the routed-expert path when a call names none
         # The router scores only the real experts, so padded experts (array rows >= e) are never routed.
         self.router = init_param(rngs, (d, e), jnp.float32, std=d ** -0.5)
         if cfg.topk_method == "noaux_tc":
@@ -204,7 +207,7 @@ class MoE(nnx.Module):
         if cfg.n_shared_experts:
             self.shared = MLP(d, cfg.arrays.shared_intermediate_size, dtype, rngs)
 
-    def __call__(self, x, expert_offset=None, impl: str = "auto", layer=None, valid=None):
+    def __call__(self, x, expert_offset=None, impl: str | None = None, layer=None, valid=None):
         """Routed + shared experts. With experts sharded, `expert_offset(num_local)` gives this
         device's first expert id and the result is this device's partial sum. `impl` picks the
         routed-expert path (module doc); the shared experts stay an XLA MLP (dense GEMMs that
@@ -225,12 +228,12 @@ class MoE(nnx.Module):
             local = ids - offset
             if valid is not None:
                 local = jnp.where(valid[:, None], local, -1)  # -1: no device's expert
-        out = self.routed(x, local, weights, impl, layer)
+        out = self.routed(x, local, weights, impl or self.impl, layer)
         if cfg.n_shared_experts:
             out = out + self.shared(x)
         return out
 
-    def routed(self, x, local, weights, impl: str = "auto", layer=None):
+    def routed(self, x, local, weights, impl: str | None = None, layer=None):
         """Routed experts for local ids [T,k] (outside [0, num_local): another device's expert).
 
         `layer` (int32 scalar, may be traced): the expert weights are a scanned group's stacked
@@ -238,7 +241,7 @@ class MoE(nnx.Module):
         place; the XLA paths slice it out (what a scan over the weights would do)."""
         num_local, inter, dim = self.experts_gate.shape[-3:]
         backend = jax.default_backend()
-        impl = resolve_moe_impl(impl, backend, x.shape[0], local.shape[1], num_local, dim, inter, self.scale_block)
+        impl = resolve_moe_impl(impl or self.impl, backend, x.shape[0], local.shape[1], num_local, dim, inter, self.scale_block)
         experts = (self.experts_gate[...], self.experts_up[...], self.experts_down[...])
         scales = None
         if self.scale_block:

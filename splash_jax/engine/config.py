@@ -27,6 +27,9 @@ class EngineConfig:
     # GSPMD compiled the same program in 2.4 s; shardy elsewhere). A process-wide jax setting.
     partitioner: str = "auto"
     attention_impl: str = "auto"  # auto | xla | pallas (Triton) | mosaic (Hopper, >= 64 heads) | pallas_grouped
+    # Routed experts: auto (the Pallas grouped kernel on GPUs, XLA elsewhere) | xla | pallas (interpret
+    # mode off GPUs: tests) | ragged | mgpu (Hopper) | gathered | dense (splash_jax/moe.py; docs/kernels.md)
+    moe_impl: str = "auto"
     # A prefill chunk's attention: expanded (the cached latents expanded per head, cuDNN's fused
     # attention on GPUs: 3.4x fewer FLOPs per pair; attention/expanded.py) | absorbed (the decode
     # kernel per token) | auto (expanded on GPUs, absorbed elsewhere). Expanded runs in tp and dp
@@ -131,6 +134,10 @@ class EngineConfig:
             raise ValueError(f"--page-size must be a power of two, got {self.page_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs >= 1")
+        from splash_jax.moe import MOE_IMPLS
+
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"--moe-impl must be one of {', '.join(MOE_IMPLS)}, got {self.moe_impl!r}")
         if self.graph_scheduling not in ("concurrent", "xla"):
             raise ValueError(f"--graph-scheduling must be concurrent or xla, got {self.graph_scheduling!r}")
         if self.layout_policy not in ("off", "auto"):

@@ -101,7 +101,7 @@ class Engine:
                      "(half the expert memory)", dtype)
         options = RuntimeOptions(
             dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.scan_layers,
-            expert_format=expert_format,
+            expert_format=expert_format, moe_impl=config.moe_impl,
         )
         self.model = model or load_model(
             path, options, sharding_for=param_sharding_fn(self.layout, self.mesh),
