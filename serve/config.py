@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from splash_jax.engine.config import add_dataclass_args
+from splash_jax.engine.config import add_dataclass_args, field_docs
 
 
 @dataclasses.dataclass
@@ -27,11 +27,11 @@ class ServerLimits:
 
 @dataclasses.dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"  # address to listen on (0.0.0.0: every interface)
+    port: int = 8000  # HTTP port
     served_model_name: list[str] | None = None  # names clients may ask for; default: the model folder's name
     api_key: str | None = None  # if set, /v1 routes need "Authorization: Bearer <key>"
-    log_level: str = "info"
+    log_level: str = "info"  # debug | info | warning | error
     access_log: bool = True  # one log line per HTTP request (uvicorn's access log)
     graceful_shutdown_s: int = 10  # on SIGINT/SIGTERM: how long open requests may finish
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
@@ -39,13 +39,16 @@ class ServerConfig:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("server")
-        group.add_argument("--host", default=cls.host)
-        group.add_argument("--port", type=int, default=cls.port)
+        doc = field_docs(cls)
+        group.add_argument("--host", default=cls.host, help=doc["host"] + " (default: %(default)s)")
+        group.add_argument("--port", type=int, default=cls.port, help=doc["port"] + " (default: %(default)s)")
         group.add_argument("--served-model-name", nargs="+", default=None, help="names clients may ask for (default: the model folder's name)")
         group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-        group.add_argument("--log-level", default=cls.log_level, choices=["debug", "info", "warning", "error"])
-        group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=cls.access_log)
-        group.add_argument("--graceful-shutdown-s", type=int, default=cls.graceful_shutdown_s)
+        group.add_argument("--log-level", default=cls.log_level, choices=["debug", "info", "warning", "error"],
+                           help="(default: %(default)s)")
+        group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=cls.access_log, help=doc["access_log"])
+        group.add_argument("--graceful-shutdown-s", type=int, default=cls.graceful_shutdown_s,
+                           help=doc["graceful_shutdown_s"] + " (default: %(default)s)")
         add_dataclass_args(parser.add_argument_group("request limits"), ServerLimits)
 
     @classmethod

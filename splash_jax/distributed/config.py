@@ -23,7 +23,7 @@ class DistributedConfig:
     """One engine over several processes (hosts) with jax.distributed; off when num_processes <= 1."""
 
     coordinator_address: str | None = dataclasses.field(default_factory=_env_str("JAX_COORDINATOR_ADDRESS"))  # host:port of process 0
-    num_processes: int | None = dataclasses.field(default_factory=_env_int("JAX_NUM_PROCESSES"))
+    num_processes: int | None = dataclasses.field(default_factory=_env_int("JAX_NUM_PROCESSES"))  # processes (hosts) in the engine; <= 1: one process
     process_id: int | None = dataclasses.field(default_factory=_env_int("JAX_PROCESS_ID"))  # 0 serves HTTP
     command_port: int = 0  # TCP port on process 0 for the step-command channel (0: any free port)
     peer_timeout_s: float = 10.0  # a peer silent this long (no heartbeat) stops the engine

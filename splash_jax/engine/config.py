@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import io
 import os
+import textwrap
+import tokenize
 import types
 import typing
 
@@ -37,16 +41,16 @@ class EngineConfig:
     # the query-key pairs of an N-token prompt (tokens x context >= N^2), N the count below (one H200,
     # V2-Lite, one-chunk prompts: 512 tokens 10% slower expanded, 1024 4% faster, 4K 1.5x).
     prefill_attention: str = "auto"
-    expanded_prefill_min_tokens: int = 1024
-    page_size: int = 64
+    expanded_prefill_min_tokens: int = 1024  # N above: the smallest chunk worth the expanded form
+    page_size: int = 64  # tokens per KV page (a power of two; the GPU kernels want a multiple of 64)
     kv_memory_gb: float | None = None  # per device; default: kv_memory_fraction of free memory
-    kv_memory_fraction: float = 0.8
+    kv_memory_fraction: float = 0.8  # of each device's free memory after the weights, for the KV pool
     max_pages: int | None = None  # cap on pages per device (tests, benchmarks)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 64  # running requests at most (largest request bucket)
     max_num_batched_tokens: int = 512  # tokens per step at most (largest token bucket)
-    min_token_bucket: int = 8
-    enable_chunked_prefill: bool = True
+    min_token_bucket: int = 8  # smallest compiled step (token slots); buckets double up to max_num_batched_tokens
+    enable_chunked_prefill: bool = True  # long prompts prefill in chunks that share steps with decodes
     layout: str = "tp"  # attention layout: tp | dp | dop | cp (all equal on one device)
     num_devices: int = 1  # devices in the mesh, in jax.devices() order
     enable_switching: bool = False  # precompile every layout and the migration programs
@@ -62,8 +66,8 @@ class EngineConfig:
     overlap_scheduling: bool = True  # dispatch step k+1 before step k's tokens reach the host
     max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
     max_logit_bias: int = 64  # logit_bias entries per request; fixes the sampler's bias columns
-    seed: int = 0
-    compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")
+    seed: int = 0  # seeds the dummy weights and the draw of a seed for each request that gives none
+    compile_cache_dir: str | None = os.path.join(os.path.expanduser("~"), ".cache", "splash_jax", "xla")  # persistent XLA cache; '' = off
     warmup: bool = True  # compile every bucket at start-up
     # Run every compiled step program once on an all-padding step at start-up (with switching, in
     # every layout): a GPU program's first execution loads its kernels and sets up its collectives,
@@ -158,19 +162,47 @@ class EngineConfig:
         return cls(**values, policy=policy)
 
 
+def field_docs(cls) -> dict[str, str]:
+    """Each field's comment in the class source (the comment lines right above it, then the one at
+    the end of its line): the config's comments are its flags' --help, so they cannot drift apart."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    docs, above, line_comment, field = {}, [], {}, {}
+    source = textwrap.dedent(inspect.getsource(cls))
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        row = tok.start[0]
+        if tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            if row in field:
+                line_comment[row] = text
+            else:
+                above.append(text)
+        elif tok.type == tokenize.NAME and tok.start[1] == 4 and tok.string in names and row not in field:
+            field[row] = tok.string
+            docs[tok.string] = above
+            above = []
+        elif tok.type == tokenize.NL and tok.start[1] == 0 and row not in field:
+            above = []  # a blank line ends a comment block
+    for row, name in field.items():
+        docs[name] = " ".join(docs[name] + ([line_comment[row]] if row in line_comment else []))
+    return docs
+
+
 def add_dataclass_args(group, cls, prefix: str = "") -> None:
-    """One flag per field (`--field-name`, booleans as --x/--no-x); nested dataclasses are skipped."""
+    """One flag per field (`--field-name`, booleans as --x/--no-x), its help the field's comment;
+    nested dataclasses are skipped."""
     hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         kind = _base_type(hints[f.name])
         if dataclasses.is_dataclass(kind):
             continue
         flag = "--" + (prefix + f.name).replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        text = (docs.get(f.name, "") + " (default: %(default)s)").strip().replace("%", "%%").replace("%%(default)s", "%(default)s")
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=docs.get(f.name, "").replace("%", "%%"))
         else:
-            group.add_argument(flag, type=kind, default=default)
+            group.add_argument(flag, type=kind, default=default, help=text)
 
 
 def _base_type(hint):
