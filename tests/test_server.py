@@ -378,7 +378,9 @@ def test_the_issue_cases_are_400_and_a_stream_beside_them_is_unchanged(server):
 
 def test_huge_prompts_do_not_stall_health(server):
     """A 5 MB prompt is refused before tokenizing; one just under the character limit is
-    tokenized on a tokenizer thread. /health answers within 100 ms all along."""
+    tokenized on a tokenizer thread. /health answers within 300 ms all along (tokenizing the large
+    prompt takes ~0.7 s on this repository's 2-core host, so a stalled event loop would show; 100 ms
+    failed once when the host was loaded)."""
     huge = "Latent attention caches one compressed vector per token. " * 90_000  # 5.1 MB
     large = huge[: 990_000]
 
@@ -397,7 +399,7 @@ def test_huge_prompts_do_not_stall_health(server):
     for prompt, message in ((huge, "characters"), (large, "maximum model length")):
         response, latencies = asyncio.run(probe(prompt))
         assert response.status_code == 400 and message in response.json()["error"]["message"]
-        assert max(latencies) < 0.1, (len(prompt), sorted(latencies)[-5:])
+        assert max(latencies) < 0.3, (len(prompt), sorted(latencies)[-5:])
 
 
 def test_stop_token_ids_end_the_output_without_their_text(client):
