@@ -45,7 +45,7 @@ class ServerConfig:
         group.add_argument("--served-model-name", nargs="+", default=None, help="names clients may ask for (default: the model folder's name)")
         group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
         group.add_argument("--log-level", default=cls.log_level, choices=["debug", "info", "warning", "error"],
-                           help="(default: %(default)s)")
+                           help=doc["log_level"] + " (default: %(default)s)")
         group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=cls.access_log, help=doc["access_log"])
         group.add_argument("--graceful-shutdown-s", type=int, default=cls.graceful_shutdown_s,
                            help=doc["graceful_shutdown_s"] + " (default: %(default)s)")

@@ -198,11 +198,11 @@ def add_dataclass_args(group, cls, prefix: str = "") -> None:
             continue
         flag = "--" + (prefix + f.name).replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        text = (docs.get(f.name, "") + " (default: %(default)s)").strip().replace("%", "%%").replace("%%(default)s", "%(default)s")
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=docs.get(f.name, "").replace("%", "%%"))
+        doc = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
+        if kind is bool:  # BooleanOptionalAction appends the default itself
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
         else:
-            group.add_argument(flag, type=kind, default=default, help=text)
+            group.add_argument(flag, type=kind, default=default, help=f"{doc} (default: %(default)s)".lstrip())
 
 
 def _base_type(hint):

@@ -33,7 +33,7 @@ from splash_jax.engine.config import EngineConfig
 from splash_jax.engine.executor import StepExecutor, StepResult
 from splash_jax.engine.output_processor import OutputProcessor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
-from splash_jax.engine.sampler import SAMPLER_MODES, SamplerMode, SamplerWidths, needs_full
+from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.engine.step_timeline import StepTimeline
@@ -278,7 +278,7 @@ class Engine:
                         for move in moves if not expanded else [None]:
                             for full in (False, True) if full_sampler else (False,):
                                 # a full step once per sampler mode, so every sampler program runs too
-                                for mode in SAMPLER_MODES if full else SAMPLER_MODES[-1:]:
+                                for mode in SAMPLER_MODES if full else (FULL_MODE,):  # greedy: no sampler program
                                     ex.run(bucket, packed.rep, packed.dev, move, full, expanded, mode)
                                     if full:
                                         samplers.add((ex.shape(self.layout, bucket, expanded).rows, mode))
@@ -414,7 +414,7 @@ class Engine:
             bucket, expanded, packed = self._pack(chunks, expand=False)
         try:
             full = any(needs_full(c.request.params) for c in chunks)
-            mode = SamplerMode.serving(c.request.params for c in chunks)
+            mode = SamplerMode.serving(c.request.params for c in chunks) if full else FULL_MODE
             result = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode)
         except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
             self._recover(e, chunks)

@@ -127,9 +127,13 @@ def _top_k_top_p(scaled: jax.Array, s: SamplingInputs) -> jax.Array:
     return jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
 
 
+def _tempered(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    return logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+
+
 def filter_logits(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     """Temperature, then min_p, then top-k and top-p (vLLM v1's order). Neutral rows pass through."""
-    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    scaled = _tempered(logits, s)
     if s.min_p is not None:
         scaled = _min_p(scaled, s.min_p)
     return _top_k_top_p(scaled, s)
@@ -142,12 +146,12 @@ def _draw(logits: jax.Array, s: SamplingInputs, filtered: bool = True) -> jax.Ar
         key = jax.random.fold_in(jax.random.key(seed), step)
         return jax.random.categorical(key, row)
 
-    scaled = filter_logits(logits, s) if filtered else logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    scaled = filter_logits(logits, s) if filtered else _tempered(logits, s)
     return jax.vmap(draw)(s.seed, s.step, scaled).astype(jnp.int32)
 
 
 def needs_full(params: SamplingParams) -> bool:
-    """Whether a request needs the full sampler: a random draw, logprobs or penalties."""
+    """Whether a request needs the full sampler: a random draw, top-n logprobs or penalties."""
     return params.temperature > 0 or bool(params.logprobs) or params.uses_penalties
 
 
