@@ -113,9 +113,10 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+                     cache_salt: str | None = None) -> Request:
         """Validate and tokenize in the caller's thread (raises RequestError); submit with generate()."""
-        return self.engine.make_request(prompt, params, request_id)
+        return self.engine.make_request(prompt, params, request_id, cache_salt)
 
     def stats(self) -> dict:
         """The engine's stats as of its last step (refreshed at most every stats_interval_s)."""

@@ -51,6 +51,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens per step at most (largest token bucket)
     min_token_bucket: int = 8  # smallest compiled step (token slots); buckets double up to max_num_batched_tokens
     enable_chunked_prefill: bool = True  # long prompts prefill in chunks that share steps with decodes
+    # Automatic prefix caching: full pages stay cached under the exact tokens of the prefix they end
+    # and a new request reuses its longest cached prefix (every layout; kept across switches).
+    enable_prefix_caching: bool = True
+    # Cache-aware owners (dp, dop): a request goes to the device holding its longest cached prefix
+    # unless that device holds more than this fraction of a device's pages beyond the least loaded one.
+    prefix_balance_fraction: float = 0.125
     layout: str = "tp"  # attention layout: tp | dp | dop | cp (all equal on one device)
     num_devices: int = 1  # devices in the mesh, in jax.devices() order
     enable_switching: bool = False  # precompile every layout and the migration programs

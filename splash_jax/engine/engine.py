@@ -139,6 +139,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.layout.kv_placement,
             self.max_model_len, self.pages_per_request, self.eos_ids, config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching,
+            balance_pages=int(config.prefix_balance_fraction * per_device),
         )
         self.limits = SamplingLimits(config.max_stop_token_ids, config.max_logit_bias)
         widths = SamplerWidths.of(self.limits, len(self.eos_ids))
@@ -200,8 +202,10 @@ class Engine:
         distributed.attach(self)  # multi-process: process 0 streams its device calls to the others
 
     # --- requests ------------------------------------------------------------------------
-    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
-        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+                     cache_salt: str | None = None) -> Request:
+        """Validate and tokenize a request without touching engine state (safe from any thread).
+        `cache_salt`: only requests with the same salt share prefix-cache pages (tenants)."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size, self.limits)
         if isinstance(prompt, str):
@@ -225,10 +229,13 @@ class Engine:
             )
         rid = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
-        return Request(rid, ids, params, prompt_text=text, sample_seed=seed)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
+        return Request(rid, ids, params, prompt_text=text, sample_seed=seed, cache_salt=cache_salt or None)
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id)
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id, cache_salt)
         if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         self._requests[request.request_id] = request
@@ -420,6 +427,7 @@ class Engine:
             self._recover(e, chunks)
             return None
         result.tokens.copy_to_host_async()
+        self.scheduler.dispatched(chunks)  # the pages these chunks completed may be cached now
         for c, row in zip((c for c in chunks if c.samples), packed.rows):
             c.request.pending_row = row
         now = time.monotonic()
@@ -492,6 +500,8 @@ class Engine:
         for request in self.scheduler.waiting:
             request.num_pending, request.pending_row = 0, -1  # tokens of the lost steps are sampled again
         self._slot_request = [None] * len(self._slot_request)
+        if self.scheduler.cache is not None:
+            self.scheduler.cache.clear()  # the cached pages' contents went with the pool
         self.executor.reset_device_state()
 
     # --- convenience ---------------------------------------------------------------------
@@ -522,6 +532,22 @@ class Engine:
                     results[ids[out.request_id]].accumulate(out)
         return [results[i] for i in range(len(prompts))]
 
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn automatic prefix caching on or off while idle (off forgets every cached page), so
+        one engine can serve a workload both ways (benchmarks, A/B tests)."""
+        if self.scheduler.running or self.scheduler.waiting or self._inflight is not None:
+            raise RuntimeError("set_prefix_caching needs an idle engine")
+        self.scheduler.set_prefix_caching(enabled)
+        self.config.enable_prefix_caching = enabled
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page (as vLLM's reset_prefix_cache); running requests keep theirs."""
+        cache = self.scheduler.cache
+        if cache is not None:
+            for r in self.scheduler.running:
+                cache.release(r)  # their nodes go with the tree; they cache nothing more
+            cache.clear()
+
     def kv_capacity_tokens(self, layout_name: str | None = None) -> int:
         """Tokens of distinct requests the pool holds under a layout (the current one by default)."""
         layout = get_layout(layout_name) if layout_name else self.layout
@@ -534,6 +560,13 @@ class Engine:
             self.model_config, self.n, self.config.page_size, self.page_dtype, self.allocator.pages_per_device,
             self.head_sharded_bytes,
         )
+
+    def _prefix_cache_stats(self) -> dict:
+        cache = self.scheduler.cache
+        if cache is None:
+            return {"enabled": False, **self.scheduler.cache_stats.as_dict(), "cached_pages": 0,
+                    "evictions": self.allocator.num_evictions, "nodes": 0}
+        return {"enabled": True, **cache.summary()}
 
     def stats(self) -> dict:
         usage = self.allocator.usage()
@@ -550,6 +583,7 @@ class Engine:
             "generation_tokens_per_s": (sum(n for _, n in window[1:]) / span) if span > 0 else 0.0,
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache": self._prefix_cache_stats(),
             "layout": self.layout.name,
             "switch": self.switcher.active[0].as_dict() if self.switcher and self.switcher.active else None,
             "switches": len([h for h in self.switcher.history if h.state.value == "done"]) if self.switcher else 0,

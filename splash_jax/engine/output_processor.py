@@ -68,6 +68,7 @@ class OutputProcessor:
             delta_top_logprobs=delta_top,
             stop_reason=hit if hit is not None else request.stop_reason,
             num_prompt_tokens=len(request.prompt_ids),
+            num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_ids),
             ttft=request.metrics.ttft(),
             tpot=request.metrics.tpot(len(request.output_ids)) if finished else None,
@@ -79,6 +80,6 @@ class OutputProcessor:
         """An empty last delta for a request ended outside a step (abort, failure)."""
         return RequestOutput(
             request_id=request.request_id, delta_token_ids=[], delta_text="", finished=True, finish_reason=reason,
-            num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids),
-            ttft=request.metrics.ttft(), error=error,
+            num_prompt_tokens=len(request.prompt_ids), num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=len(request.output_ids), ttft=request.metrics.ttft(), error=error,
         )

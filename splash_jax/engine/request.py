@@ -149,6 +149,13 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.monotonic()))
     order: int = 0  # admission order (for preemption choice)
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share pages
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    cache_nodes: list = dataclasses.field(default_factory=list)  # prefix-cache nodes of its first pages
+    cache_computing: list = dataclasses.field(default_factory=list)  # cache nodes it is filling (others wait)
+    num_cacheable: int = 0  # tokens whose latents dispatched steps wrote (what the cache may name)
+    admissions: int = 0  # times admitted (a preempted request is admitted again)
+    cacheable: bool = True  # False: its pages hold no real latents (benchmarks' admit_cached)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Known tokens [start, stop) of prompt + output without concatenating the whole sequence."""
@@ -197,6 +204,7 @@ class RequestOutput:
     delta_top_logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens)
     num_output_tokens: int = 0  # cumulative
     ttft: float | None = None
     tpot: float | None = None
@@ -215,7 +223,7 @@ class RequestOutput:
         if delta.delta_logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.delta_logprobs
             self.top_logprobs = (self.top_logprobs or []) + (delta.delta_top_logprobs or [])
-        for f in ("finished", "finish_reason", "stop_reason", "num_output_tokens", "ttft", "tpot", "error"):
+        for f in ("finished", "finish_reason", "stop_reason", "num_cached_tokens", "num_output_tokens", "ttft", "tpot", "error"):
             setattr(self, f, getattr(delta, f))
         self.delta_token_ids, self.delta_text = delta.delta_token_ids, delta.delta_text
         self.delta_logprobs, self.delta_top_logprobs = delta.delta_logprobs, delta.delta_top_logprobs

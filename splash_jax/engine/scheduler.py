@@ -18,6 +18,14 @@ update(step, tokens) after a step's tokens reach the host: appends each sampled 
 the token-level stops (EOS, stop_token_ids, max_tokens, model length) and finishes requests
 (freeing their pages and slots). Tokens of requests that finished meanwhile are dropped, so a
 token sampled past a stop is never shown. Stop strings need text: the engine calls `finish()`.
+
+With a prefix cache (kv/prefix_cache.py), admission first looks up the longest cached prefix of
+the request's known tokens (always leaving its last token to compute) and references those pages
+instead of computing them; under owner layouts the owner is the device holding the longest
+prefix unless its load exceeds the least loaded device's by `balance_pages`. A request whose
+next block another running request is computing waits (later requests may pass it) and shares
+that block once it is cached. After each dispatched step (`dispatched`), the full pages its
+chunks completed are cached; a request that stops running leaves its pages cached.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from splash_jax.engine.request import Request, Status
 from splash_jax.kv.allocator import PageAllocator
 from splash_jax.kv.page_table import PageTables
 from splash_jax.kv.placement import Placement
+from splash_jax.kv.prefix_cache import CacheStats, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +84,8 @@ class Scheduler:
         pages_per_request: int,
         eos_ids: set[int] = frozenset(),
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = False,
+        balance_pages: int = 0,
     ):
         self.allocator = allocator
         self.n = allocator.num_devices
@@ -92,6 +103,18 @@ class Scheduler:
         self._order = itertools.count()
         self.num_preemptions = 0
         self.num_added = 0  # requests ever added (the policy looks again after arrivals)
+        self.balance_pages = balance_pages
+        self.cache_stats = CacheStats()
+        self.cache: PrefixCache | None = PrefixCache(allocator, self.cache_stats) if enable_prefix_caching else None
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn the prefix cache on or off (off forgets every cached page)."""
+        if enabled and self.cache is None:
+            self.cache = PrefixCache(self.allocator, self.cache_stats)
+        elif not enabled and self.cache is not None:
+            self.cache.clear()
+            self.allocator.on_evict = None
+            self.cache = None
 
     # --- queue management -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -139,27 +162,91 @@ class Scheduler:
             scheduled.add(id(request))
             budget -= n
 
+        deferred = []  # waiting for a block another request computes (kept in order)
         while self.waiting and budget > 0 and self._free_slots:
-            request = self.waiting[0]
-            remaining = request.num_tokens - request.num_computed
-            if not self.enable_chunked_prefill and remaining > budget:
+            request = self.waiting.popleft()
+            admitted = self._admit(request, budget)
+            if admitted is None:  # no room: admission stays in arrival order
+                self.waiting.appendleft(request)
                 break
-            n = min(remaining, budget)
-            request.device_pages = [[] for _ in range(self.n)]
-            request.owner = self.least_loaded_device()
-            request.slot = self._free_slots.pop()
-            if not self.allocate(request, request.num_computed + n):
-                self._free_slots.append(request.slot)
-                request.slot = -1
-                break  # admission only when its pages are there
-            self.waiting.popleft()
-            request.status = Status.RUNNING
-            request.order = next(self._order)
-            self.running.append(request)
-            chunks.append(self._take(request, n))
+            if admitted == 0:
+                deferred.append(request)
+                continue
+            chunks.append(self._take(request, admitted))
             scheduled.add(id(request))
-            budget -= n
+            budget -= admitted
+        self.waiting.extendleft(reversed(deferred))
         return SchedulerOutput(chunks, preempted)
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Admit `request` with its cached prefix: the tokens of its first chunk, 0 if it waits for
+        a block another request is computing, None if it does not fit now (nothing changed)."""
+        cache, size = self.cache, self.page_size
+        chain, hit = [], 0
+        limit = (request.num_tokens - 1) // size  # its last token is always computed
+        if cache is not None:
+            chain = cache.chain(request, limit)
+            request.owner = self.choose_owner(chain)
+            hit = cache.hits(chain, self.placement, request.owner)
+            if cache.waits_for(chain, hit, request):
+                cache.stats.deferred += 1
+                return 0
+        else:
+            request.owner = self.least_loaded_device()
+        computed = hit * size
+        remaining = request.num_tokens - computed
+        if not self.enable_chunked_prefill and remaining > budget:
+            return None
+        n = min(remaining, budget)
+        request.slot = self._free_slots.pop()
+        request.device_pages = cache.take(request, chain, hit, self.placement) if hit else [[] for _ in range(self.n)]
+        for d, pages in enumerate(request.device_pages):
+            self.tables.append(request.slot, d, pages, self.placement, self.allocator)
+        if not self.allocate(request, computed + n):
+            request.num_computed = 0
+            self._release(request, cache_pages=False)
+            return None
+        request.num_computed = request.num_cacheable = computed
+        if cache is not None:
+            prompt = len(request.prompt_ids)
+            cache.stats.queries += prompt
+            cache.stats.hits += min(computed, prompt)
+            if request.admissions == 0:
+                request.num_cached_tokens = min(computed, prompt)
+            cache.mark_computing(request, chain, hit, min(request.num_known, prompt) // size)
+        request.admissions += 1
+        request.status = Status.RUNNING
+        request.order = next(self._order)
+        self.running.append(request)
+        return n
+
+    def choose_owner(self, chain: list) -> int:
+        """Owner of a request whose cached prefix is `chain`: under an owner-bound placement the
+        device holding the longest part of it, unless that device holds more than `balance_pages`
+        pages beyond the least loaded one; otherwise (and without a hit) the least loaded device."""
+        least = self.least_loaded_device()
+        if not chain or not self.placement.owner_bound or self.n == 1:
+            return least
+        hits = [self.cache.hits(chain, self.placement, d) for d in range(self.n)]
+        best = max(range(self.n), key=lambda d: (hits[d], self.allocator.num_free(d), -d))
+        if hits[best] == hits[least]:
+            return least
+        used = [self.allocator.pages_per_device - self.allocator.num_free(d) for d in range(self.n)]
+        return best if used[best] - used[least] <= self.balance_pages else least
+
+    def dispatched(self, chunks: list[ScheduledChunk]) -> None:
+        """A step with these chunks was dispatched: their latents will be in the pool before any
+        later step reads it, so the full pages of known tokens they completed can be cached."""
+        cache = self.cache
+        for c in chunks:
+            r = c.request
+            if r.status != Status.RUNNING:
+                continue
+            r.num_cacheable = max(r.num_cacheable, c.end)
+            if cache is not None and r.cacheable:
+                upto = min(r.num_cacheable, r.num_known) // self.page_size
+                if upto > len(r.cache_nodes):
+                    cache.insert(r, self.placement, upto)
 
     def _take(self, request: Request, n: int) -> ScheduledChunk:
         chunk = ScheduledChunk(request, request.num_computed, n, request.num_computed + n == request.num_tokens)
@@ -207,11 +294,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, cache_pages: bool = True) -> None:
+        """Give back a request's pages and slot; with a cache its full written pages stay cached
+        (a preempted request finds its own prefix again)."""
+        cache = self.cache
+        if cache is not None:
+            if cache_pages and request.cacheable and request.device_pages:
+                upto = min(request.num_cacheable, request.num_known) // self.page_size
+                if upto > len(request.cache_nodes):
+                    cache.insert(request, self.placement, upto)
+            cache.release(request)
         for pages in request.device_pages:
             self.allocator.free(pages)
         request.device_pages = []
-        request.num_computed = 0
+        request.num_computed = request.num_cacheable = 0
         if request.slot >= 0:
             self.tables.clear(request.slot)
             self._free_slots.append(request.slot)
@@ -228,6 +324,7 @@ class Scheduler:
         request.device_pages = [[] for _ in range(self.n)]
         request.owner = self.least_loaded_device()
         request.slot = self._free_slots.pop()
+        request.cacheable = False  # its first num_cached tokens were never computed
         if not self.allocate(request, num_cached + reserve):
             self._release(request)
             self.waiting.appendleft(request)

@@ -44,6 +44,16 @@ class Placement:
         """How many of a request's first `num_pages` pages `device` holds."""
         raise NotImplementedError
 
+    def entry_of(self, j: int, n: int) -> int:
+        """Entry of page index j in the list of a device that holds it."""
+        return j
+
+    @property
+    def owner_bound(self) -> bool:
+        """Whether where a page lives depends on the request's owner (so the owner decides which
+        cached copies a request can use)."""
+        return False
+
     def entries_below(self, device, j, n: int):
         """How many entries of `device_pages[device]` hold a page index below j, if the device holds
         the request's pages at all (where a planner starts reading its list for index j on);
@@ -91,6 +101,10 @@ class Owner(Placement):
     def devices_of_page(self, j, owner, n):
         return (owner,)
 
+    @property
+    def owner_bound(self):
+        return True
+
     def page_mask(self, js, owner, n):
         mask = np.zeros((len(js), n), bool)
         mask[np.arange(len(js)), owner] = True
@@ -119,6 +133,9 @@ class Striped(Placement):
 
     def page_index(self, device, entry, n):
         return device + entry * n
+
+    def entry_of(self, j, n):
+        return j // n
 
     def pages_held(self, device, owner, n, num_pages):
         return len(range(device, num_pages, n))
