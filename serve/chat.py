@@ -51,7 +51,7 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
 
 
 def _prepare(ctx: ServerContext, body: ChatCompletionRequest, params: SamplingParams, max_tokens, rid: str, names: FieldNames):
-    return make_choices(ctx, render_prompt(ctx, body), params, body.n, max_tokens, rid, 0, names)
+    return make_choices(ctx, render_prompt(ctx, body), params, body.n, max_tokens, rid, 0, names, body.cache_salt)
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw: HTTPRequest) -> Response:
@@ -82,8 +82,9 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
             token_ids=result.token_ids if body.return_token_ids else None,
         ))
     total = sum(len(a.token_ids) for a in results.values())
+    cached = {request_id: a.num_cached_tokens for request_id, a in results.items()}
     return Response(
-        ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(requests, body.n, total)).model_dump_json(),
+        ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(requests, body.n, total, cached)).model_dump_json(),
         media_type="application/json",
     )
 
@@ -99,6 +100,7 @@ async def _stream(
 
     wants_tokens = body.logprobs or body.return_token_ids
     total = 0
+    cached: dict[str, int] = {}  # request id -> its prompt tokens served from the prefix cache
     try:
         for state in states.values():  # the role first, as OpenAI does
             yield chunk([ChatStreamChoice(index=state.index, delta=ChatDelta(role="assistant", content=""))])
@@ -106,6 +108,7 @@ async def _stream(
             state = states[out.request_id]
             delta = state.advance(out)
             total += len(delta.token_ids)
+            cached[out.request_id] = delta.num_cached_tokens
             if not delta.text and delta.finish_reason is None and not (wants_tokens and delta.token_ids):
                 continue
             yield chunk([ChatStreamChoice(
@@ -116,7 +119,7 @@ async def _stream(
                 token_ids=delta.token_ids if body.return_token_ids else None,
             )])
         if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], usage=usage(requests, body.n, total))
+            yield chunk([], usage=usage(requests, body.n, total, cached))
     except Exception as e:  # noqa: BLE001 - the status line is sent; the error goes in the stream
         yield ctx.sse_error(e)
     yield SSE_DONE

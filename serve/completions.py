@@ -24,7 +24,7 @@ def _prepare(ctx: ServerContext, body: CompletionRequest, prompts, params: Sampl
     requests: list[Request] = []
     echo: list[str] = []
     for p, prompt in enumerate(prompts):
-        requests += make_choices(ctx, prompt, params, body.n, body.max_tokens, rid, p * body.n, NAMES)
+        requests += make_choices(ctx, prompt, params, body.n, body.max_tokens, rid, p * body.n, NAMES, body.cache_salt)
         if body.echo:
             text = prompt if isinstance(prompt, str) else ctx.engine.tokenizer.decode(prompt)
             echo += [text] * body.n
@@ -55,8 +55,9 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, raw: HT
             token_ids=result.token_ids if body.return_token_ids else None,
         ))
     total = sum(len(a.token_ids) for a in results.values())
+    cached = {request_id: a.num_cached_tokens for request_id, a in results.items()}
     return Response(
-        CompletionResponse(id=rid, model=model, choices=choices, usage=usage(requests, body.n, total)).model_dump_json(),
+        CompletionResponse(id=rid, model=model, choices=choices, usage=usage(requests, body.n, total, cached)).model_dump_json(),
         media_type="application/json",
     )
 
@@ -69,11 +70,13 @@ async def _stream(
     echoed: set[int] = set()
     wants_tokens = body.logprobs is not None or body.return_token_ids
     total = 0
+    cached: dict[str, int] = {}  # request id -> its prompt tokens served from the prefix cache
     try:
         async for out in ctx.outputs(requests):
             state = states[out.request_id]
             delta = state.advance(out)
             total += len(delta.token_ids)
+            cached[out.request_id] = delta.num_cached_tokens
             text = delta.text
             if echo and state.index not in echoed:
                 echoed.add(state.index)
@@ -88,7 +91,7 @@ async def _stream(
             )
             yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
         if body.stream_options and body.stream_options.include_usage:
-            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage(requests, body.n, total)))
+            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage(requests, body.n, total, cached)))
     except Exception as e:  # noqa: BLE001 - the status line is sent; the error goes in the stream
         yield ctx.sse_error(e)
     yield SSE_DONE

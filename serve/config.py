@@ -22,6 +22,7 @@ class ServerLimits:
     max_choices: int = 256  # prompts x n: engine requests one HTTP request may start
     max_stop_strings: int = 32  # entries in `stop`
     max_stop_string_chars: int = 1024  # characters per stop string
+    max_cache_salt_chars: int = 1024  # characters in cache_salt (the prefix-cache namespace a request names)
     tokenizer_threads: int = 2  # threads that tokenize, render chat templates and decode echoes
 
 

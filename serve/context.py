@@ -8,7 +8,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -17,7 +17,7 @@ from serve.config import ServerLimits
 from serve.errors import APIError, error_body, to_api_error
 from serve.metrics import ServerMetrics
 from serve.outputs import ChoiceAccumulator, ChoiceState, TokenText
-from serve.protocol import UsageInfo
+from serve.protocol import PromptTokensDetails, UsageInfo
 from splash_jax.engine.async_engine import AsyncEngine
 from splash_jax.engine.request import Request, RequestOutput, SamplingLimits
 
@@ -115,7 +115,14 @@ def sse(event: BaseModel) -> str:
     return f"data: {event.model_dump_json()}\n\n"
 
 
-def usage(requests: Sequence[Request], n: int, completion_tokens: int) -> UsageInfo:
-    """Prompt tokens count once per prompt (not once per choice), as OpenAI does."""
-    prompt_tokens = sum(len(r.prompt_ids) for r in requests[::n])
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+def usage(requests: Sequence[Request], n: int, completion_tokens: int, cached_tokens: Mapping[str, int]) -> UsageInfo:
+    """Prompt tokens count once per prompt (not once per choice), as OpenAI does; so do the cached
+    ones (`prompt_tokens_details.cached_tokens`): those of each prompt's first choice, the one whose
+    prompt tokens are counted. `cached_tokens`: request id -> its prompt tokens the prefix cache served."""
+    firsts = requests[::n]
+    prompt_tokens = sum(len(r.prompt_ids) for r in firsts)
+    cached = sum(min(cached_tokens.get(r.request_id, 0), len(r.prompt_ids)) for r in firsts)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

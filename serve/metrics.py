@@ -4,6 +4,7 @@ thread's live state, so a scrape never waits for a step)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -18,11 +19,37 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
+class MonotonicCounters:
+    """Counters exported from the engine's cumulative stats never go backwards: a value below the
+    last one seen (the engine's count restarted) continues from the last exported value, and a
+    missing value (None: the stats do not have it, or not yet) repeats it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # scrapes may run concurrently
+        self._last: dict[str, float] = {}  # the engine's last value
+        self._base: dict[str, float] = {}  # what earlier runs of the engine's count added up to
+
+    def __call__(self, name: str, value: float | None) -> float:
+        with self._lock:
+            last, base = self._last.get(name, 0.0), self._base.get(name, 0.0)
+            if value is None:
+                return base + last
+            value = float(value)
+            if value < last:
+                base = self._base[name] = base + last
+            self._last[name] = value
+            return base + value
+
+
 class EngineStatsCollector(Collector):
     """Engine gauges and counters from `AsyncEngine.stats()`."""
 
     def __init__(self, stats: Callable[[], dict]):
         self._stats = stats
+        self._counted = MonotonicCounters()
+
+    def _counter(self, name: str, doc: str, value: float | None) -> CounterMetricFamily:
+        return _counter(name, doc, self._counted(name, value))
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
@@ -35,10 +62,15 @@ class EngineStatsCollector(Collector):
         yield _gauge("splash_kv_cache_capacity_tokens", "Tokens the KV pool holds", s.get("kv_capacity_tokens", 0))
         yield _gauge("splash_generation_tokens_per_second", "Tokens generated per second (last 10 s)", s.get("generation_tokens_per_s", 0.0))
         yield _gauge("splash_engine_alive", "1 while the engine loop runs", float(s.get("engine_alive", False)))
-        yield _counter("splash_engine_steps", "Engine steps run", s.get("num_steps", 0))
-        yield _counter("splash_engine_step_errors", "Engine steps that raised", s.get("step_errors", 0))
-        yield _counter("splash_num_preemptions", "Requests preempted (recomputed later)", s.get("num_preemptions", 0))
-        yield _counter("splash_layout_switches", "Attention layout switches completed", num_switches(s))
+        yield self._counter("splash_engine_steps", "Engine steps run", s.get("num_steps"))
+        yield self._counter("splash_engine_step_errors", "Engine steps that raised", s.get("step_errors"))
+        yield self._counter("splash_num_preemptions", "Requests preempted (recomputed later)", s.get("num_preemptions"))
+        yield self._counter("splash_layout_switches", "Attention layout switches completed", s.get("switches", s.get("num_switches")))
+        cache = s.get("prefix_cache") or {}  # absent: an engine without prefix caching (zeros)
+        yield self._counter("splash_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", cache.get("queries"))
+        yield self._counter("splash_prefix_cache_hits", "Prompt tokens found in the prefix cache", cache.get("hits"))
+        yield self._counter("splash_prefix_cache_evictions", "Pages evicted from the prefix cache", cache.get("evictions"))
+        yield _gauge("splash_prefix_cache_pages", "KV pages the prefix cache holds", cache.get("cached_pages", 0))
         switch = s.get("switch") or {}
         yield _gauge("splash_layout_switch_in_progress", "1 while a layout switch migrates", float(bool(switch)))
         yield _gauge("splash_layout_switch_progress", "Fraction of the switch's pages copied", float(switch.get("progress", 0.0)))

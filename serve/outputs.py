@@ -56,6 +56,7 @@ class ChoiceDelta:
     logprobs: list[float] | None
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    num_cached_tokens: int = 0  # the request's prompt tokens served from the prefix cache (not a delta)
 
 
 @dataclasses.dataclass
@@ -70,6 +71,7 @@ class ChoiceState:
         return ChoiceDelta(
             text=out.delta_text, token_ids=list(out.delta_token_ids), logprobs=out.delta_logprobs,
             top_logprobs=out.delta_top_logprobs, finish_reason=out.finish_reason if out.finished else None,
+            num_cached_tokens=out.num_cached_tokens,
         )
 
 
@@ -82,6 +84,7 @@ class ChoiceAccumulator:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
+    num_cached_tokens: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
@@ -90,9 +93,10 @@ class ChoiceAccumulator:
             self.logprobs = (self.logprobs or []) + delta.logprobs
             self.top_logprobs = (self.top_logprobs or []) + (delta.top_logprobs or [{}] * len(delta.logprobs))
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.num_cached_tokens = delta.num_cached_tokens  # every output carries the request's count
 
     def as_delta(self) -> ChoiceDelta:
-        return ChoiceDelta(self.text, self.token_ids, self.logprobs, self.top_logprobs, self.finish_reason)
+        return ChoiceDelta(self.text, self.token_ids, self.logprobs, self.top_logprobs, self.finish_reason, self.num_cached_tokens)
 
 
 def completion_logprobs(state: ChoiceState, delta: ChoiceDelta, token_text: TokenText) -> CompletionLogprobs | None:

@@ -70,6 +70,11 @@ def check_common(ctx, body: SamplingFields, num_prompts: int) -> None:
                    "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options is only allowed when stream is true", "stream_options")
+    if body.cache_salt is not None:  # a string (pydantic checked the type); vLLM also refuses an empty one
+        if not 1 <= len(body.cache_salt) <= limits.max_cache_salt_chars:
+            raise _bad(f"cache_salt must have 1 to {limits.max_cache_salt_chars} characters, got {len(body.cache_salt)}",
+                       "cache_salt")
+        check_text("cache_salt", body.cache_salt)
 
 
 def _prompt_forms(prompt) -> list[str | list[int]]:
@@ -190,13 +195,13 @@ def sampling_params(ctx, body: SamplingFields, max_tokens: int | None, logprobs:
 
 def make_choices(
     ctx, prompt: str | Sequence[int], params: SamplingParams, n: int, max_tokens: int | None,
-    id_prefix: str, first_index: int, names: FieldNames,
+    id_prefix: str, first_index: int, names: FieldNames, cache_salt: str | None = None,
 ) -> list[Request]:
     """n engine requests for one prompt (tokenized once; blocking: run it on a tokenizer thread).
     A seeded request gives choice j the seed + j, so choices differ yet the whole response is
-    reproducible (as vLLM does)."""
+    reproducible (as vLLM does). Every choice gets the request's cache_salt (its prefix-cache namespace)."""
     try:
-        first = ctx.engine.make_request(prompt, dataclasses.replace(params), f"{id_prefix}-{first_index}")
+        first = ctx.engine.make_request(prompt, dataclasses.replace(params), f"{id_prefix}-{first_index}", cache_salt=cache_salt)
     except RequestError as e:
         raise _bad(str(e), names.of(getattr(e, "field", None))) from None
     limit, prompt_len = ctx.max_model_len, len(first.prompt_ids)
@@ -217,5 +222,6 @@ def make_choices(
     for j in range(1, n):
         seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
         child = dataclasses.replace(params, max_tokens=max_tokens, seed=seed)
-        requests.append(ctx.engine.make_request(first.prompt_ids, child, f"{id_prefix}-{first_index + j}"))
+        requests.append(ctx.engine.make_request(first.prompt_ids, child, f"{id_prefix}-{first_index + j}",
+                                                cache_salt=cache_salt))
     return requests

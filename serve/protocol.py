@@ -43,10 +43,15 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(_Out):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SamplingFields(_Body):
@@ -72,6 +77,7 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # add token ids to each choice (vLLM's name); used to check outputs
+    cache_salt: str | None = None  # prefix-cache namespace (vLLM's name): only requests with the same salt share cached pages
 
 
 # --- /v1/completions -------------------------------------------------------------------

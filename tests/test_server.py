@@ -452,7 +452,8 @@ def test_metrics_and_layout(server, client):
     for name in ("splash_requests_total", "splash_prompt_tokens_total", "splash_generation_tokens_total",
                  "splash_time_to_first_token_seconds_bucket", "splash_time_per_output_token_seconds_bucket",
                  "splash_num_requests_running", "splash_num_requests_waiting", "splash_kv_cache_usage_ratio",
-                 "splash_layout_switches_total", 'splash_layout_info{layout="'):
+                 "splash_layout_switches_total", 'splash_layout_info{layout="', "splash_prefix_cache_queries_total",
+                 "splash_prefix_cache_hits_total", "splash_prefix_cache_pages"):
         assert name in text, name
     assert server.metric("splash_generation_tokens_total") > 0
     layout = httpx.get(server.base + "/v1/layout").json()
@@ -463,6 +464,46 @@ def test_metrics_and_layout(server, client):
         assert switch.status_code in (200, 400)
     else:
         assert switch.status_code == 501 and switch.json()["error"]["code"] == "layout_switching_unavailable"
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
+    """The same long prompt twice: the second reuses its cached pages (usage says how many
+    tokens); another cache_salt shares nothing; the hits reach /metrics."""
+    page = ENGINE_ARGS["page_size"]
+    prompt = [(37 * i) % 800 + 100 for i in range(150)]  # token ids no other test sends
+    hits_before = server.metric("splash_prefix_cache_hits_total")
+    queries_before = server.metric("splash_prefix_cache_queries_total")
+
+    def cached(**extra_body) -> int:
+        response = client.completions.create(model="splash-tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra_body)
+        assert response.usage.prompt_tokens == len(prompt)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    first, again, other_salt, other_again = cached(), cached(), cached(cache_salt="tenant-b"), cached(cache_salt="tenant-b")
+    assert first == 0 and other_salt == 0, (first, other_salt)  # nothing cached yet under either salt
+    for hit in (again, other_again):
+        assert 0 < hit < len(prompt) and hit % page == 0, hit  # whole pages; the last token is always computed
+
+    messages = [{"role": "user", "content": "Prefix caching, streamed: " + " ".join([PROMPT] * 8)}]
+
+    def streamed_usage():
+        chunks = list(client.chat.completions.create(
+            model="splash-tiny", messages=messages, max_tokens=2, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        ))
+        return chunks[-1].usage
+
+    chat_first, chat_again = streamed_usage(), streamed_usage()
+    assert chat_first.prompt_tokens_details.cached_tokens == 0 and chat_again.prompt_tokens >= 2 * page
+    assert 0 < chat_again.prompt_tokens_details.cached_tokens < chat_again.prompt_tokens
+
+    hits = again + other_again + chat_again.prompt_tokens_details.cached_tokens
+    deadline = time.monotonic() + 5  # engine stats refresh every 0.25 s
+    while server.metric("splash_prefix_cache_hits_total") < hits_before + hits and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("splash_prefix_cache_hits_total") >= hits_before + hits
+    assert server.metric("splash_prefix_cache_queries_total") >= queries_before + hits
+    assert server.metric("splash_prefix_cache_pages") >= (again + other_again) // page
 
 
 # --- load ----------------------------------------------------------------------------------

@@ -60,18 +60,27 @@ class FakeEngine:
         self.tokenize_s = 0.0  # simulated tokenization time (blocks the calling thread)
         self.ids = 0
         self.num_steps = 0
+        # a prefix cache in miniature: a prompt seen before under the same salt has all but its last token cached
+        self.salts: dict[str, str | None] = {}  # request id -> the cache_salt it was made with
+        self.cached: dict[str, int] = {}  # request id -> its cached prompt tokens (from its first step)
+        self.seen_prompts: set[tuple] = set()
+        self.prefix_cache_stats: dict | None = None  # stats()["prefix_cache"] when set
 
-    def make_request(self, prompt, params=None, request_id=None) -> Request:
+    def make_request(self, prompt, params=None, request_id=None, cache_salt=None) -> Request:
         params = params or SamplingParams()
         params.validate(VOCAB)
         if not prompt:
             raise RequestError("the prompt is empty")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError("cache_salt must be a string", "cache_salt")
         time.sleep(self.tokenize_s)
         ids = [ord(c) % VOCAB for c in prompt] if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= t < VOCAB for t in ids):
             raise RequestError("prompt token id outside the vocabulary")
         self.ids += 1
-        return Request(request_id or f"fake-{self.ids}", ids, params)
+        rid = request_id or f"fake-{self.ids}"
+        self.salts[rid] = cache_salt
+        return Request(rid, ids, params)
 
     def add_request(self, request: Request) -> str:
         self.threads.add(threading.get_ident())
@@ -110,6 +119,10 @@ class FakeEngine:
                 self.switch.state, self.layout, self.switch, self.switches = "done", self.switch.dst, None, self.switches + 1
         outputs = []
         for r in list(self.requests.values()):
+            if r.request_id not in self.cached:  # its first step: look the prompt up, then cache it
+                key = (self.salts.get(r.request_id), tuple(r.prompt_ids))
+                self.cached[r.request_id] = len(r.prompt_ids) - 1 if key in self.seen_prompts else 0
+                self.seen_prompts.add(key)
             r.output_ids.append(len(r.output_ids))
             done = len(r.output_ids) >= r.params.max_tokens
             if done:
@@ -118,15 +131,18 @@ class FakeEngine:
             outputs.append(RequestOutput(
                 request_id=r.request_id, prompt_ids=r.prompt_ids, token_ids=list(r.output_ids), text="",
                 delta_text=f"<{r.output_ids[-1]}>", delta_token_ids=r.output_ids[-1:], finished=done,
-                finish_reason="length" if done else None,
+                finish_reason="length" if done else None, num_cached_tokens=self.cached[r.request_id],
             ))
         return outputs
 
     def stats(self) -> dict:
-        return {
+        stats = {
             "running": len(self.requests), "waiting": 0, "pages_used": 0, "pages_total": 1, "layout": self.layout,
             "switches": self.switches, "switch": self.switch.as_dict() if self.switch else None,
         }
+        if self.prefix_cache_stats is not None:
+            stats["prefix_cache"] = dict(self.prefix_cache_stats)
+        return stats
 
 
 @pytest.fixture
@@ -385,6 +401,13 @@ BAD_REQUESTS = [
     (_chat(messages=[{"role": "user", "content": "hi"}] * 1025), "messages"),
     (_chat(messages=[]), "messages"),
     (_chat(messages=[{"content": "no role"}]), "messages"),
+    (_completion(cache_salt=5), "cache_salt"),  # not a string
+    (_completion(cache_salt=["a"]), "cache_salt"),
+    (_completion(cache_salt=""), "cache_salt"),
+    (_completion(cache_salt="s" * 1025), "cache_salt"),
+    (_completion(cache_salt="salt\ud800"), "cache_salt"),
+    (_chat(cache_salt={"a": 1}), "cache_salt"),
+    (_chat(cache_salt=""), "cache_salt"),
 ]
 
 
@@ -442,6 +465,127 @@ def test_penalties_reach_the_engine(fake):
     assert p.logit_bias == {5: -100.0}
 
 
+# --- prefix caching: cache_salt, usage.prompt_tokens_details.cached_tokens, metrics --------------
+class FakeChatTokenizer:
+    """Just enough tokenizer for /v1/chat/completions on the fake engine."""
+
+    vocab_size = VOCAB
+
+    @staticmethod
+    def apply_chat_template(messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+    @staticmethod
+    def encode(text, add_bos=True):
+        return [ord(c) % VOCAB for c in text]
+
+
+def _usage(response: httpx.Response) -> dict:
+    assert response.status_code == 200, response.text
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in response.text.split("\n") if line.startswith("data: {")]
+        assert events[-1]["choices"] == [] and all(e.get("usage") is None for e in events[:-1])
+        return events[-1]["usage"]
+    return response.json()["usage"]
+
+
+def test_usage_reports_the_cached_prompt_tokens(fake):
+    engine, aengine = fake
+    engine.tokenizer = FakeChatTokenizer()
+    app = build_app(aengine, ServerConfig(served_model_name=["fake"]))
+    prompt = list(range(10, 50))
+    chat = {"messages": [{"role": "user", "content": "a long question"}], "max_tokens": 2}
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    first, again, streamed, two_prompts, chat_first, chat_again, chat_streamed, chat_n = map(_usage, _ask(
+        app,
+        _completion(prompt=prompt),
+        _completion(prompt=prompt),
+        _completion(prompt=prompt, **stream),
+        _completion(prompt=[prompt, list(range(60, 70))], n=3),
+        ("POST", "/v1/chat/completions", {"json": chat}),
+        ("POST", "/v1/chat/completions", {"json": chat}),
+        ("POST", "/v1/chat/completions", {"json": {**chat, **stream}}),
+        ("POST", "/v1/chat/completions", {"json": {**chat, "n": 2}}),
+    ))
+    assert first == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert again["prompt_tokens_details"] == streamed["prompt_tokens_details"] == {"cached_tokens": 39}
+    # n choices: each prompt counted once, in prompt_tokens and in cached_tokens (its first choice's;
+    # the fake caches the other choices of the new prompt on their shared first step, so they would say 9)
+    assert two_prompts["prompt_tokens"] == 40 + 10 and two_prompts["completion_tokens"] == 2 * 3 * 3
+    assert two_prompts["prompt_tokens_details"] == {"cached_tokens": 39 + 0}
+    chat_len = len(FakeChatTokenizer.encode(FakeChatTokenizer.apply_chat_template(chat["messages"])))
+    assert chat_first["prompt_tokens"] == chat_len and chat_first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert chat_again["prompt_tokens_details"] == chat_streamed["prompt_tokens_details"] == {"cached_tokens": chat_len - 1}
+    assert chat_n["prompt_tokens"] == chat_len and chat_n["prompt_tokens_details"] == {"cached_tokens": chat_len - 1}
+    assert set(engine.salts.values()) == {None}  # unsalted requests carry no salt
+
+
+def test_cache_salt_reaches_every_choice_and_separates_the_cache(fake):
+    engine, aengine = fake
+    engine.tokenizer = FakeChatTokenizer()
+    app = build_app(aengine, ServerConfig(served_model_name=["fake"]))
+    prompt = list(range(10, 30))
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    plain, salted, salted_again, other, chat_salted, chat_salted_again = map(_usage, _ask(
+        app,
+        _completion(prompt=prompt),
+        _completion(prompt=prompt, cache_salt="tenant-a", n=2),
+        _completion(prompt=prompt, cache_salt="tenant-a"),
+        _completion(prompt=prompt, cache_salt="tenant-b", stream=True, stream_options={"include_usage": True}),
+        ("POST", "/v1/chat/completions", {"json": {**chat, "cache_salt": "tenant-a"}}),
+        ("POST", "/v1/chat/completions", {"json": {**chat, "cache_salt": "tenant-a"}}),
+    ))
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in (plain, salted, salted_again, other)]
+    assert cached == [0, 0, 19, 0]  # the unsalted prompt is not shared with tenant-a, nor tenant-a's with tenant-b
+    assert chat_salted["prompt_tokens_details"]["cached_tokens"] == 0
+    assert chat_salted_again["prompt_tokens_details"]["cached_tokens"] == chat_salted["prompt_tokens"] - 1
+    assert sorted(engine.salts.values(), key=str) == [None] + ["tenant-a"] * 5 + ["tenant-b"]
+
+
+def _metric_values(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples if not s.labels}
+
+
+def test_prefix_cache_metrics_come_from_the_engine_stats_and_never_go_backwards():
+    from serve.metrics import ServerMetrics
+
+    stats: dict = {}  # what the engine reports: nothing about a prefix cache at first
+    metrics = ServerMetrics(lambda: stats)
+    names = ("splash_prefix_cache_queries_total", "splash_prefix_cache_hits_total", "splash_prefix_cache_evictions_total",
+             "splash_prefix_cache_pages")
+
+    def scrape() -> tuple[float, ...]:
+        values = _metric_values(metrics.render().decode())
+        return tuple(values[n] for n in names)
+
+    assert scrape() == (0, 0, 0, 0)  # an engine without stats()["prefix_cache"]: zeros, same series
+    cache = {"enabled": True, "queries": 640, "hits": 384, "hit_rate": 0.6, "cached_pages": 12, "evictions": 2}
+    stats = {"prefix_cache": cache, "num_steps": 7}
+    assert scrape() == (640, 384, 2, 12)
+    stats = {"num_steps": 7}  # a snapshot without the key (not yet refreshed): the counters stay
+    assert scrape() == (640, 384, 2, 0)
+    stats = {"prefix_cache": {**cache, "queries": 100, "hits": 50, "cached_pages": 3, "evictions": 0}, "num_steps": 3}
+    assert scrape() == (740, 434, 2, 3)  # the engine's counts restarted: ours continue from where they were
+    assert _metric_values(metrics.render().decode())["splash_engine_steps_total"] == 10
+    stats = {"prefix_cache": {**cache, "queries": 164, "hits": 60, "cached_pages": 4, "evictions": 1}, "num_steps": 4}
+    assert scrape() == (804, 444, 3, 4)
+
+
+def test_prefix_cache_metrics_on_the_server():
+    engine = FakeEngine()
+    engine.prefix_cache_stats = {"enabled": True, "queries": 96, "hits": 64, "hit_rate": 2 / 3, "cached_pages": 5, "evictions": 1}
+    aengine = AsyncEngine(engine)  # its first stats snapshot has them
+    try:
+        (metrics,) = _ask(build_app(aengine, ServerConfig(served_model_name=["fake"])), ("GET", "/metrics", {}))
+    finally:
+        aengine.shutdown()
+    values = _metric_values(metrics.text)
+    assert values["splash_prefix_cache_queries_total"] == 96 and values["splash_prefix_cache_hits_total"] == 64
+    assert values["splash_prefix_cache_pages"] == 5 and values["splash_prefix_cache_evictions_total"] == 1
+
+
 def test_tokenization_runs_off_the_event_loop(fake):
     """A request whose tokenization takes 0.6 s does not delay /health (same event loop)."""
     engine, aengine = fake
@@ -484,3 +628,5 @@ def test_every_config_field_is_documented_and_its_comment_is_the_flags_help(caps
     assert "--moe-impl MOE_IMPL Routed experts: auto (the Pallas grouped kernel on GPUs" in out
     assert "9% median" in out  # a literal % in a comment survives argparse's formatting
     assert "(default: 64)" in out
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in out
+    assert "--max-cache-salt-chars MAX_CACHE_SALT_CHARS" in out
