@@ -1,5 +1,6 @@
 """Dynamic workloads and the simulator: seeded workloads have the shapes their names promise, the
-sample trace parses, and the simulator (real scheduler, allocator and policy; calibrated step
+sample trace parses, arrivals survive a JSON round trip (tests/test_prefix_workloads.py covers the
+shared-prefix workloads), and the simulator (real scheduler, allocator and policy; calibrated step
 times; no device program) completes every request with its exact length in every layout, queues
 where a layout's pool is too small, and lets the policy switch."""
 
@@ -50,6 +51,17 @@ def test_workloads_are_seeded_and_shaped_as_named():
     assert len(trace) == 40 and trace[0].t > 0 and all(a.prompt_len >= 1 and a.output_len >= 1 for a in trace)
 
 
+def test_arrivals_round_trip_through_json_and_old_workloads_name_no_blocks():
+    # benchmarks/simulate.py --validate rebuilds arrivals from a dynamic result's JSON
+    c = W.WorkloadConfig()
+    for name in W.ALL_WORKLOADS:
+        arr = W.make(name, c)
+        assert [W.Arrival(**a) for a in json.loads(json.dumps([dataclasses.asdict(a) for a in arr]))] == arr, name
+        if name in W.WORKLOADS:  # open loop, random prompts: unchanged
+            assert all(not a.blocks and a.follows < 0 and a.temperature == 0 for a in arr)
+            assert W.build_prompt(arr[0], 0, 4096, 0) == W.prompt_ids(0, arr[0].prompt_len, 4096, 0)
+
+
 def test_trace_rejects_bad_rows(tmp_path):
     bad = tmp_path / "t.csv"
     bad.write_text("arrival_s,prompt_len,output_len\n0.5,0,3\n")
@@ -65,7 +77,7 @@ def run_all(workload: str, cal: Calibration, policy: PolicyConfig, c: SimConfig 
 
 def test_simulator_completes_every_request_with_its_length_in_every_layout():
     cal = calibration({"tp": 0.01, "dp": 0.012, "dop": 0.014, "cp": 0.013})
-    for wl in ("rollout", "trace"):
+    for wl in ("rollout", "trace", "mooncake"):
         arrivals = W.make(wl, W.WorkloadConfig())
         for mode, r in run_all(wl, cal, PolicyConfig(interval_steps=4, cooldown_steps=8)).items():
             assert r["completed"] == r["requests"] == len(arrivals), (wl, mode)
