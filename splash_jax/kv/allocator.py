@@ -214,6 +214,10 @@ class PageAllocator:
     def refs(self, page: int) -> int:
         return int(self._refs[page])
 
+    def refs_of(self, pages) -> np.ndarray:
+        """Reference counts of many pages (a switch copies a page held more than once only once)."""
+        return self._refs[np.asarray(pages, np.int64)]
+
     # --- the prefix cache's side -------------------------------------------------------------
     def mark_cached(self, page: int) -> None:
         """The prefix cache now identifies this page (it must be referenced: being filled or held)."""

@@ -35,6 +35,8 @@ from splash_jax.switch.migration import (
     PageChunk, PageMover, WeightResharder, chunk_buffer, drop_extra_segment, locate_copies, move_sentinel, pack_located,
 )
 from splash_jax.switch.copy_queue import PairQueues
+
+SHARED_CODE = -1  # the request code of the switch's own copies (of pages several requests share)
 from splash_jax.switch.dst_tables import DestinationTables
 from splash_jax.switch.planner import (
     SwitchRefused,
@@ -367,7 +369,7 @@ class SwitchController:
             for r, owner, upto, _ in items:
                 plan.requests[r.request_id] = plan_request(
                     r, plan.src, plan.dst, engine.allocator, base_only=not plan.dst.heads_sharded, owner=owner,
-                    upto_tokens=upto,
+                    upto_tokens=upto, shared=plan.shared,
                 )
         self._enqueue(plan)
         self._dst_tables.record(plan.requests.values())
@@ -392,6 +394,12 @@ class SwitchController:
             codes.append(self._codes[rid])
             counts.append(upto - have)
             self._queued[rid] = upto
+        shared = plan.shared.copies[self._shared_queued:]
+        if shared:  # copies of shared pages belong to the switch, not to a request: never dropped
+            new += shared
+            codes.append(SHARED_CODE)
+            counts.append(len(shared))
+            self._shared_queued = len(plan.shared.copies)
         if new:
             self._queue.add(locate_copies(new, self.engine.allocator), np.repeat(np.array(codes, np.int64), counts))
 
@@ -421,6 +429,7 @@ class SwitchController:
         self._queued: dict[str, int] = {}  # per planned request: how many of its copies were queued
         self._codes: dict[str, int] = {}  # per planned request: its code in the queues
         self._next_code = 0
+        self._shared_queued = 0  # the switch's copies of shared pages queued so far
 
     def _forget(self, rid: str) -> None:
         """Drop a request's queued copies (it is no longer planned)."""
@@ -440,6 +449,7 @@ class SwitchController:
     def _release(self, plan: TransitionPlan) -> None:
         for p in plan.requests.values():
             self.engine.allocator.free(p.reserved)
+        self._drop_shared(plan)
         plan.requests.clear()
         self._unplanned.clear()
         self._dst_tables = None
@@ -447,6 +457,13 @@ class SwitchController:
             _delete_replaced(self._prepared, self.engine.executor.params)
             self._prepared = None
         self._reset_queue()
+
+    def _drop_shared(self, plan: TransitionPlan) -> None:
+        """Drop the switch's own references on its copies of shared pages (after the handoff ran
+        them, or on cancel); requests that use them keep theirs."""
+        self.engine.allocator.free(plan.shared.held())
+        plan.shared.copies.clear()
+        plan.shared.dst_of.clear()
 
     def _handoff(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
         engine, t0 = self.engine, time.perf_counter()
@@ -481,7 +498,7 @@ class SwitchController:
         phase("free_pages")
         # 3. Pool segment and weights, in the order that never needs both memories at once.
         if plan.extra_segment == "remove":
-            engine.allocator.remove_extra_segment()
+            plan.cached_evicted = engine.allocator.remove_extra_segment()  # cached pages held by no request there
             ex.apply_to_pool(drop_extra_segment)
         early = self._prepared is not None
         params = self._prepared if early else self._resharded_weights(dst)
@@ -499,11 +516,17 @@ class SwitchController:
         tables = self._dst_tables.final(plan.requests.values())
         self._dst_tables = None
         sched.replace_pages([(p.request, p.dst_pages, p.owner) for p in plan.requests.values()], tables)
+        if sched.cache is not None:  # the moved requests' cached pages are named where they now are too
+            for p in plan.requests.values():
+                sched.cache.register(p.request, dst.kv_placement)
+        handle.plan = plan.summary()  # before the switch's own references go
+        self._drop_shared(plan)
+        plan.cached_pages = engine.allocator.num_cached()
         ex.swap(dst, params, kv)
         engine.layout = dst
         phase("page_tables")
         handle.handoff_s = time.perf_counter() - t0
-        handle.plan = plan.summary()
+        handle.plan.update(cached_pages_kept=plan.cached_pages, cached_pages_evicted=plan.cached_evicted)
         if later:
             handle.plan["pages_freed"] = None  # counted at the next boundary
             self._to_free = (handle, to_free)
@@ -536,7 +559,7 @@ class SwitchController:
                     owner = existing.owner if existing else choose_owner(r, src, dst, engine.n, load, page_size, dst_pages)
                     plan.requests[r.request_id] = plan_request(
                         r, src, dst, engine.allocator, base_only=not dst.heads_sharded, owner=owner,
-                        upto_tokens=upto, existing=existing,
+                        upto_tokens=upto, existing=existing, shared=plan.shared,
                     )
                     if existing is None:
                         load[owner] += self._pages_of(r)
@@ -577,7 +600,8 @@ class SwitchController:
         call. False, with nothing changed, when some device lacks the pages for all of them: the
         caller then plans them one at a time (preempting or failing where the first does not fit)."""
         try:
-            plans = plan_requests(items, plan.src, plan.dst, self.engine.allocator, base_only=not plan.dst.heads_sharded)
+            plans = plan_requests(items, plan.src, plan.dst, self.engine.allocator, base_only=not plan.dst.heads_sharded,
+                                  shared=plan.shared)
         except OutOfPages:
             return False
         for p in plans:

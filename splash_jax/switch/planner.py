@@ -75,10 +75,15 @@ class TransitionPlan:
     extra_segment: str  # "add" | "remove" | "keep"
     page_bytes: int
     pages_freed: int = 0  # source pages the destination did not keep (known at handoff)
+    # Prefix cache: pages it names after the handoff (cached pages no request holds stay where they
+    # are: their contents are valid in every layout); those evicted because their segment went.
+    cached_pages: int = 0
+    cached_evicted: int = 0
+    shared: "SharedCopies" = dataclasses.field(default_factory=lambda: SharedCopies())
 
     @property
     def num_copies(self) -> int:
-        return sum(len(p.copies) for p in self.requests.values())
+        return sum(len(p.copies) for p in self.requests.values()) + len(self.shared.copies)
 
     @property
     def cache_bytes(self) -> int:
@@ -90,7 +95,7 @@ class TransitionPlan:
 
     def summary(self) -> dict:
         copies = self.num_copies
-        reused = sum(len(d) for p in self.requests.values() for d in p.dst_pages) - copies
+        reused = sum(len(d) for p in self.requests.values() for d in p.dst_pages) - copies - self.shared.shared_by
         return {
             "src": self.src.name, "dst": self.dst.name,
             "pages_copied": copies, "pages_reused": reused,
@@ -98,7 +103,25 @@ class TransitionPlan:
             "cache_bytes": self.cache_bytes, "weight_bytes_gathered": self.weight_bytes,
             "weight_leaves": {k: sum(1 for w in self.weights if w.kind == k) for k in ("slice", "gather")},
             "extra_segment": self.extra_segment,
+            "pages_shared_copies": len(self.shared.copies), "pages_copy_shared_by": self.shared.shared_by,
+            "cached_pages_kept": self.cached_pages, "cached_pages_evicted": self.cached_evicted,
         }
+
+
+@dataclasses.dataclass
+class SharedCopies:
+    """Copies of pages several requests share (prefix-cache hits): each (source page, destination
+    device) is copied once and every request needing it there references the one copy. The switch
+    holds a reference on each destination page of its own, so a copy stays valid to run even if
+    the request it was planned for finishes first; it drops them after the handoff (or cancel)."""
+
+    dst_of: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (source page, device) -> page
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (source, destination), planned order
+    shared_by: int = 0  # destination pages other requests referenced instead of copying again
+
+    def held(self) -> list[int]:
+        """The destination pages the switch references itself."""
+        return [d for _, d in self.copies]
 
 
 def plan_weights(param_paths: list[tuple[tuple, int]], src: Layout, dst: Layout) -> list[WeightMove]:
@@ -113,16 +136,16 @@ PlanItem = tuple[Request, int, int, "RequestPlan | None"]  # (request, owner, pl
 
 def plan_request(
     request: Request, src: Layout, dst: Layout, allocator: PageAllocator, base_only: bool, owner: int,
-    upto_tokens: int | None = None, existing: RequestPlan | None = None,
+    upto_tokens: int | None = None, existing: RequestPlan | None = None, shared: SharedCopies | None = None,
 ) -> RequestPlan:
     """Reserve destination pages for `request`'s pages (up to `upto_tokens`), extending `existing`
     (plan_requests for one request)."""
     upto = upto_tokens if upto_tokens is not None else request.num_computed
-    return plan_requests([(request, owner, upto, existing)], src, dst, allocator, base_only)[0]
+    return plan_requests([(request, owner, upto, existing)], src, dst, allocator, base_only, shared)[0]
 
 
 def plan_requests(items: list[PlanItem], src: Layout, dst: Layout, allocator: PageAllocator,
-                  base_only: bool) -> list[RequestPlan]:
+                  base_only: bool, shared: SharedCopies | None = None) -> list[RequestPlan]:
     """Reserve destination pages for several requests' pages at once, as plan_request for each in
     turn would (the same pages, in the same order), returning their plans.
 
@@ -132,7 +155,11 @@ def plan_requests(items: list[PlanItem], src: Layout, dst: Layout, allocator: Pa
     Array operations over all the requests' new pages at once (per page in Python it was ~85% of
     a switch's start on the CPU mesh's host: 30 ms for 64 requests x 64 pages; per request, a
     handoff whose requests each started a page took 0.4-3 ms on the H200 host). All or nothing:
-    without the free pages they need, OutOfPages and every `existing` plan is left as it was."""
+    without the free pages they need, OutOfPages and every `existing` plan is left as it was.
+
+    With `shared`, a source page more than one holder references (a cached prefix) is copied to
+    a device once: the first request needing it there reserves the page and `shared` takes the
+    copy (and a reference); later ones reference that page (see SharedCopies)."""
     n, size = allocator.num_devices, allocator.page_size
     plans = [existing or RequestPlan(r, owner, [[] for _ in range(n)], [], [], 0, r.order, dropped=[[] for _ in range(n)])
              for r, owner, _, existing in items]
@@ -155,8 +182,25 @@ def plan_requests(items: list[PlanItem], src: Layout, dst: Layout, allocator: Pa
     if (source[fresh] < 0).any():
         i = int(item_of[np.flatnonzero((source < 0) & fresh)[0] // n])
         raise RuntimeError(f"request {items[i][0].request_id}: a page index below {int(first[i] + counts[i])} is on no device")
-    new = _reserve(fresh, allocator, base_only, items, item_of)
-    _extend(plans, items, need, np.where(fresh, new, held), fresh, source, new, item_of, row0 + counts - 1, first + counts, size)
+    reusing = np.zeros(fresh.shape, bool)  # a copy of the same page to the same device is planned: reference it
+    lead = np.zeros(fresh.shape, bool)  # the first copy of a shared page to its device
+    if shared is not None and fresh.any():
+        rows, cols = np.nonzero(fresh)
+        srcs = source[rows, cols]
+        multi = allocator.refs_of(srcs) > 1
+        seen = set()
+        for r, c, sp in zip(rows[multi].tolist(), cols[multi].tolist(), srcs[multi].tolist()):
+            if (sp, c) in shared.dst_of or (sp, c) in seen:
+                reusing[r, c] = True
+            else:
+                lead[r, c] = True
+                seen.add((sp, c))
+    new = _reserve(fresh & ~reusing, allocator, base_only, items, item_of)
+    if lead.any() or reusing.any():
+        _settle_shared(shared, allocator, new, reusing, lead, source)
+    chosen = np.where(fresh, new, held)
+    _extend(plans, items, need, chosen, fresh, source, new, item_of, row0 + counts - 1, first + counts, size,
+            copied=fresh & ~reusing & ~lead)
     _record_dropped(plans, held, (held >= 0) & ~(need & usable), item_of)
     return plans
 
@@ -185,6 +229,21 @@ def _held_pages(items: list[PlanItem], src: Layout, first: np.ndarray, counts: n
     return held
 
 
+def _settle_shared(shared: SharedCopies, allocator: PageAllocator, new: np.ndarray, reusing: np.ndarray,
+                   lead: np.ndarray, source: np.ndarray) -> None:
+    """Record the first copies of shared pages (the switch takes a reference on each), then give
+    the rows that reuse a copy its page (each such row references it: a reservation)."""
+    for r, c in zip(*np.nonzero(lead)):
+        page = int(new[r, c])
+        shared.dst_of[(int(source[r, c]), int(c))] = page
+        shared.copies.append((int(source[r, c]), page))
+    rows, cols = np.nonzero(reusing)
+    for r, c in zip(rows.tolist(), cols.tolist()):
+        new[r, c] = shared.dst_of[(int(source[r, c]), c)]
+    allocator.ref(np.concatenate([new[lead], new[rows, cols]]))
+    shared.shared_by += len(rows)
+
+
 def _reserve(fresh: np.ndarray, allocator: PageAllocator, base_only: bool, items: list[PlanItem],
              item_of: np.ndarray) -> np.ndarray:
     """Allocate the fresh pages (per device in row order, as one request after another would);
@@ -203,8 +262,9 @@ def _reserve(fresh: np.ndarray, allocator: PageAllocator, base_only: bool, items
 
 def _extend(plans: list[RequestPlan], items: list[PlanItem], need: np.ndarray, chosen: np.ndarray,
             fresh: np.ndarray, source: np.ndarray, new: np.ndarray, item_of: np.ndarray, last_row: np.ndarray,
-            planned: np.ndarray, size: int) -> None:
-    """Append each request's new rows to its plan: destination pages, copies, reservations."""
+            planned: np.ndarray, size: int, copied: np.ndarray | None = None) -> None:
+    """Append each request's new rows to its plan: destination pages, copies (of the `copied`
+    rows: default every fresh one), reservations (every fresh row: each holds a reference)."""
     n, bounds = need.shape[1], np.arange(len(plans) + 1)
     per_device = []  # (the chosen pages device d needs, as a list; where each request's start)
     for d in range(n):
@@ -213,15 +273,19 @@ def _extend(plans: list[RequestPlan], items: list[PlanItem], need: np.ndarray, c
     rows, cols = np.nonzero(fresh)  # request, then page, then device: a request's last page's copies come last
     copy_item = item_of[rows]
     cb = np.searchsorted(copy_item, bounds).tolist()
-    before_last = np.r_[0, np.cumsum(rows < last_row[copy_item])].tolist()  # copies of earlier pages, cumulative
-    reserved, sources = new[rows, cols].tolist(), source[rows, cols].tolist()
+    reserved = new[rows, cols].tolist()
+    copied = fresh if copied is None else copied
+    crows, ccols = np.nonzero(copied)
+    ccb = np.searchsorted(item_of[crows], bounds).tolist()
+    before_last = np.r_[0, np.cumsum(crows < last_row[item_of[crows]])].tolist()  # copies of earlier pages, cumulative
+    copies = list(zip(source[crows, ccols].tolist(), new[crows, ccols].tolist()))
     for i in np.unique(item_of).tolist():
-        plan, upto, (a, b) = plans[i], items[i][2], cb[i : i + 2]
+        plan, upto, (a, b), (ca, cb_) = plans[i], items[i][2], cb[i : i + 2], ccb[i : i + 2]
         for d, (pages, starts) in enumerate(per_device):
             plan.dst_pages[d].extend(pages[starts[i] : starts[i + 1]])
         plan.reserved.extend(reserved[a:b])
-        last_page_from = len(plan.copies) + before_last[b] - before_last[a]
-        plan.copies.extend(zip(sources[a:b], reserved[a:b]))
+        last_page_from = len(plan.copies) + before_last[cb_] - before_last[ca]
+        plan.copies.extend(copies[ca:cb_])
         # A partly filled last page is held for the handoff; a full one releases what was held.
         plan.held_from = last_page_from if upto % size else None
         plan.planned_pages = int(planned[i])
