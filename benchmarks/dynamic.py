@@ -179,6 +179,7 @@ class Served:
     complete: bool
     preemptions: int
     prefix_cache: dict | None  # the engine's prefix-cache counters over the run (queries, hits, evictions)
+    host_ms: dict | None = None  # per step: the scheduler's host time (lookups, admission) and the dispatch's (cache inserts)
 
 
 def serve(engine: Engine, arrivals: list[W.Arrival], seed: int, caching: str = "off", max_run_s: float = 600.0,
@@ -209,6 +210,7 @@ def serve(engine: Engine, arrivals: list[W.Arrival], seed: int, caching: str = "
     pending: collections.deque = collections.deque()  # ideal: (request, cached tokens) not admitted yet
     cache0, preempt0 = prefix_stats(engine), engine.scheduler.num_preemptions
     samples: list[Sample] = []
+    phases: dict[str, list[float]] = {"schedule": [], "dispatch": []}
 
     def submit(i: int, t: float) -> None:
         a = arrivals[i]
@@ -251,6 +253,8 @@ def serve(engine: Engine, arrivals: list[W.Arrival], seed: int, caching: str = "
             continue
         outs = engine.step()
         now = time.perf_counter() - t0
+        phases["schedule"].append(engine.last_step_ms["schedule"])
+        phases["dispatch"].append(engine.last_step_ms["dispatch"])
         for o in outs:
             i = int(o.request_id)
             r = records[i]
@@ -287,7 +291,8 @@ def serve(engine: Engine, arrivals: list[W.Arrival], seed: int, caching: str = "
         delta = {k: cache1[k] - cache0.get(k, 0) for k in ("queries", "hits", "evictions", "deferred") if k in cache1}
         delta |= {"hit_rate": delta["hits"] / delta["queries"] if delta.get("queries") else 0.0,
                   "cached_pages": cache1.get("cached_pages"), "enabled": cache1.get("enabled")}
-    return Served(records, samples, prompts, outputs, complete, engine.scheduler.num_preemptions - preempt0, delta)
+    host = {k: percentiles(v, (50, 99)) for k, v in phases.items()}
+    return Served(records, samples, prompts, outputs, complete, engine.scheduler.num_preemptions - preempt0, delta, host)
 
 
 def run(engine: Engine, arrivals: list[W.Arrival], mode: str, bench: BenchConfig, seed: int,

@@ -102,7 +102,7 @@ def run(engine: Engine, workload: str, arrivals: list[W.Arrival], mode: str, c: 
     out |= {
         "mode": mode, "complete": s.complete, "wall_s": out["makespan_s"], "prefix_cache": s.prefix_cache,
         "wrong_lengths": sum(r.tokens != r.output_len for r in s.records if r.finished is not None),
-        "outputs": s.outputs, "run_s": time.perf_counter() - t0,
+        "outputs": s.outputs, "run_s": time.perf_counter() - t0, "host_ms": s.host_ms,
     }
     if workload == "agent":
         out["ttft_by_turn"] = {k: percentiles([r.first_token - r.arrival for r in s.records
@@ -123,12 +123,14 @@ def rows_of(results: dict) -> list[dict]:
                 "hit_rate": r["hit_rate"], "peak_pages": r["peak_pages_used"],
                 "vs_ideal": r["tokens_per_s"] / ideal["tokens_per_s"] if ideal and ideal["tokens_per_s"] else None,
                 "preempt": r["preemptions"], "done": f"{r['completed']}/{r['requests']}",
+                "sched_ms_p50": r["host_ms"]["schedule"]["p50"], "sched_ms_p99": r["host_ms"]["schedule"]["p99"],
+                "dispatch_ms_p50": r["host_ms"]["dispatch"]["p50"],
             })
     return rows
 
 
 COLUMNS = ["workload", "mode", "wall_s", "tok_s", "ttft_p50", "ttft_p99", "submitted", "computed", "computed_vs_off",
-           "hit_rate", "peak_pages", "vs_ideal", "preempt", "done"]
+           "hit_rate", "peak_pages", "vs_ideal", "preempt", "done", "sched_ms_p50", "sched_ms_p99", "dispatch_ms_p50"]
 
 
 def same_outputs(runs: dict) -> dict:
@@ -180,7 +182,8 @@ def parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(p)
     add_dataclass_args(p.add_argument_group("benchmark"), PrefixBenchConfig)
     # CPU sizes: every workload's requests fit the pool at once without a cache; few buckets.
-    p.set_defaults(page_size=16, max_pages=256, max_num_seqs=32, max_num_batched_tokens=128, min_token_bucket=16)
+    # (--max-pages 256 applies to the bundled model only: with --shape the pool is sized by memory.)
+    p.set_defaults(page_size=16, max_num_seqs=32, max_num_batched_tokens=128, min_token_bucket=16)
     return p
 
 
@@ -190,6 +193,8 @@ def main(argv=None):
     logging.getLogger("jax").setLevel(logging.WARNING)
     config = EngineConfig.from_cli_args(args)
     c = PrefixBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PrefixBenchConfig)})
+    if not c.shape and config.max_pages is None:
+        config.max_pages = 256
     modes, workloads = c.modes.split(","), c.workloads.split(",")
     bad = [m for m in modes if m not in CACHING] + [w for w in workloads if w not in WORKLOADS]
     if bad:

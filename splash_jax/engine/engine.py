@@ -535,8 +535,9 @@ class Engine:
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn automatic prefix caching on or off while idle (off forgets every cached page), so
         one engine can serve a workload both ways (benchmarks, A/B tests)."""
-        if self.scheduler.running or self.scheduler.waiting or self._inflight is not None:
+        if self.has_work():
             raise RuntimeError("set_prefix_caching needs an idle engine")
+        self.flush()  # a last step whose requests all finished may still be in flight
         self.scheduler.set_prefix_caching(enabled)
         self.config.enable_prefix_caching = enabled
 

@@ -1,0 +1,112 @@
+"""Probe: a fully cached prompt's TTFT against the decode step, and the cache's host time per step.
+
+    python -m benchmarks.probes.cached_ttft --shape v2-lite --dtype bfloat16 --kv-memory-gb 40 \\
+        --max-num-seqs 128 --max-num-batched-tokens 8192
+
+1. A P-token prompt (4,096) runs once (computing and caching it), then the same prompt again:
+   its TTFT (admission finds all but the last page cached, so one short chunk is computed) over
+   the engine's decode step at batch 1 (the median interval between that request's tokens).
+2. R requests (64) decoding with distinct 1K-token prompts: the scheduler's and the dispatch's
+   host time per step (engine.last_step_ms) with caching on and off, in the same engine.
+Prints a table and writes JSON to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from benchmarks.common import percentiles, table, write_results
+from benchmarks.shapes import shape_folder
+from splash_jax.engine import Engine, EngineConfig, SamplingParams
+from splash_jax.engine.config import add_dataclass_args
+
+log = logging.getLogger("benchmarks.probes.cached_ttft")
+
+
+@dataclasses.dataclass
+class ProbeConfig:
+    shape: str = ""  # v2-lite | v3 (dummy weights); empty = the bundled model
+    num_layers: int = 0  # with --shape: layers of the slice (0 = the full model)
+    prompt_tokens: int = 4096  # the prompt run twice
+    decode_tokens: int = 32  # tokens the cached request generates (its step intervals time a decode step)
+    requests: int = 64  # decoding requests for the host-time part
+    context: int = 1024  # their prompt tokens
+    steps: int = 64  # decode steps timed per setting
+
+
+def ids(rng, n, vocab):
+    return rng.integers(2, vocab, n).tolist()
+
+
+def timed_request(engine, prompt, max_tokens):
+    """(TTFT, token times) of one request served alone."""
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    times, cached = [], 0
+    while engine.has_work():
+        for o in engine.step():
+            if o.request_id == rid and o.delta_token_ids:
+                times.append(time.perf_counter() - t0)
+                cached = o.num_cached_tokens
+    return times, cached
+
+
+def host_times(engine, c, rng, caching: bool):
+    engine.set_prefix_caching(caching)
+    vocab = engine.model_config.vocab_size
+    for i in range(c.requests):
+        engine.add_request(ids(rng, c.context, vocab), SamplingParams(max_tokens=c.steps + 64, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running):
+        engine.step()  # prefills
+    sched, disp, wall = [], [], []
+    for _ in range(c.steps):
+        t = time.perf_counter()
+        engine.step()
+        wall.append((time.perf_counter() - t) * 1e3)
+        sched.append(engine.last_step_ms["schedule"])
+        disp.append(engine.last_step_ms["dispatch"])
+    for rid in list(engine._requests):
+        engine.abort(rid)
+    while engine.has_work():
+        engine.step()
+    return {"caching": caching, "running": c.requests, "schedule_ms": percentiles(sched, (50, 99)),
+            "dispatch_ms": percentiles(disp, (50, 99)), "step_ms": percentiles(wall, (50, 99))}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineConfig.add_cli_args(p)
+    add_dataclass_args(p.add_argument_group("probe"), ProbeConfig)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    c = ProbeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ProbeConfig)})
+    config = EngineConfig.from_cli_args(args)
+    if c.shape:
+        config.model = str(shape_folder(c.shape, **({"num_hidden_layers": c.num_layers} if c.num_layers else {})))
+        config.load_format = "dummy"
+    engine = Engine(config)
+    rng = np.random.default_rng(0)
+    prompt = ids(rng, c.prompt_tokens, engine.model_config.vocab_size)
+    engine.set_prefix_caching(True)
+    cold, _ = timed_request(engine, prompt, c.decode_tokens)
+    warm, cached = timed_request(engine, prompt, c.decode_tokens)
+    step = float(np.median(np.diff(warm)))
+    ttft = {"cold_ttft_ms": cold[0] * 1e3, "cached_ttft_ms": warm[0] * 1e3, "cached_tokens": cached,
+            "decode_step_ms": step * 1e3, "cached_ttft_in_steps": warm[0] / step}
+    hosts = [host_times(engine, c, rng, on) for on in (False, True)]
+    print(table([ttft], list(ttft)))
+    print(table([{"caching": h["caching"], "running": h["running"], "schedule_p50": h["schedule_ms"]["p50"],
+                  "schedule_p99": h["schedule_ms"]["p99"], "dispatch_p50": h["dispatch_ms"]["p50"],
+                  "step_p50": h["step_ms"]["p50"]} for h in hosts],
+                ["caching", "running", "schedule_p50", "schedule_p99", "dispatch_p50", "step_p50"]))
+    write_results("cached_ttft", {"config": dataclasses.asdict(c), "engine": dataclasses.asdict(config),
+                                  "ttft": ttft, "host": hosts})
+
+
+if __name__ == "__main__":
+    main()
