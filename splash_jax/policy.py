@@ -58,19 +58,34 @@ class Load:
     max_context: int
     waiting: tuple[int, ...] = ()  # tokens of each waiting request, in queue order
     prompts: tuple[tuple[int, int], ...] = ()  # (computed, still to compute) of every unfinished prompt
+    # Distinct tokens the running requests' pages hold (a prefix they share counted once per copy the
+    # current layout keeps: dp/dop once per owner); 0 = cached_tokens (no sharing known).
+    pool_tokens: int = 0
 
     @classmethod
     def of(cls, engine) -> "Load":
-        running, waiting = engine.scheduler.running, engine.scheduler.waiting
-        prompts = tuple((r.num_computed, r.num_tokens - r.num_computed) for r in list(running) + list(waiting)
+        """The engine's load now. With prefix caching, a waiting request's prompt counts only the
+        tokens its cached prefix does not cover (what admission will compute), and the pool holds
+        what the running requests' pages hold, shared pages once."""
+        sched = engine.scheduler
+        running, waiting = sched.running, sched.waiting
+        prompts = tuple((r.num_computed, r.num_tokens - r.num_computed) for r in running
                         if r.num_tokens - r.num_computed > 1)
+        prompts += tuple((c, r.num_tokens - c) for r in waiting for c in (sched.cached_prefix(r),)
+                         if r.num_tokens - c > 1)
+        held = engine.allocator.num_referenced() * engine.config.page_size // engine.layout.kv_placement.distinct_copies(engine.n)
         return cls(
             len(running), sum(r.num_tokens for r in running), max((r.num_tokens for r in running), default=0),
-            tuple(r.num_tokens for r in waiting), prompts,
+            tuple(r.num_tokens for r in waiting), prompts, held if sched.cache is not None else 0,
         )
 
+    @property
+    def held_tokens(self) -> int:
+        return self.pool_tokens or self.cached_tokens
+
     def summary(self) -> dict:
-        return {"requests": self.requests, "cached_tokens": self.cached_tokens, "max_context": self.max_context,
+        return {"requests": self.requests, "cached_tokens": self.cached_tokens, "pool_tokens": self.held_tokens,
+                "max_context": self.max_context,
                 "waiting": len(self.waiting), "prompt_tokens_left": sum(t for _, t in self.prompts)}
 
 
@@ -181,7 +196,7 @@ class CostModel:
         return self.estimate(layout, load.requests, load.cached_tokens)[0]
 
     def switch_seconds(self, src: Layout, dst: Layout, load: Load) -> float:
-        return self.costs.switch_seconds(src, dst, load.cached_tokens)
+        return self.costs.switch_seconds(src, dst, load.held_tokens)  # a shared page moves once
 
     def prefill_seconds(self, layout: Layout, load: Load, budget: int) -> float:
         return self.costs.prefill_seconds(layout, load.prompts, budget)
@@ -209,8 +224,8 @@ class TransitionAwarePolicy:
         out = {}
         one_device = self.engine.allocator.pages_per_device * self.engine.config.page_size
         for name in LAYOUTS:
-            if load.cached_tokens > self.capacity(name):
-                out[name] = f"{load.cached_tokens} cached tokens > {self.capacity(name):.0f} usable"
+            if load.held_tokens > self.capacity(name):
+                out[name] = f"{load.held_tokens} cached tokens > {self.capacity(name):.0f} usable"
             elif load.max_context > one_device and LAYOUTS[name].kv_placement is not STRIPED:
                 out[name] = f"a {load.max_context}-token context exceeds one device's {one_device}"
         return out
@@ -223,7 +238,7 @@ class TransitionAwarePolicy:
         """(requests, cached tokens) layout `name` would run: the running ones plus the waiting ones
         its free capacity and request limit admit, in queue order."""
         requests, tokens = load.requests, load.cached_tokens
-        room = self.capacity(name) - tokens
+        room = self.capacity(name) - load.held_tokens
         for t in load.waiting:
             if requests >= self.engine.config.max_num_seqs or t > room:
                 break

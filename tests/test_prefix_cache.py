@@ -258,3 +258,35 @@ def run_all(sched):
         sched.dispatched(out.chunks)
         s = [c for c in out.chunks if c.samples]
         sched.update(out.chunks, list(range(len(s))), np.full(len(s), 5))
+
+
+def test_the_policy_prices_only_uncached_prompt_tokens_and_counts_shared_pages_once():
+    from types import SimpleNamespace
+
+    from splash_jax.policy import Load
+
+    a = PageAllocator(1, 40, S)
+    sched = Scheduler(a, 8, 64, REPLICATED, 64, 16, enable_prefix_caching=True)
+    engine = SimpleNamespace(scheduler=sched, allocator=a, config=SimpleNamespace(page_size=S), n=1,
+                             layout=SimpleNamespace(kv_placement=REPLICATED))
+    system = list(range(2, 2 + 16))  # 4 pages
+    sched.add(req("lead", system + [40, 41], 30))
+    run_steps(sched, 2)  # computed and cached; still decoding
+    for i in range(3):
+        sched.add(req(f"w{i}", system + [50 + i, 60 + i, 70 + i], 30))
+    load = Load.of(engine)
+    # each waiting prompt: 19 tokens, 16 cached -> 3 to compute
+    assert sorted(t for c, t in load.prompts) == [3, 3, 3] and all(c == 16 for c, _ in load.prompts)
+    run_steps(sched, 2)  # all admitted, sharing the 4 system pages
+    load = Load.of(engine)
+    pages = sum(len(p) for r in sched.running for p in r.device_pages)
+    assert load.pool_tokens == a.num_referenced() * S < pages * S  # shared pages counted once
+    assert load.cached_tokens == sum(r.num_tokens for r in sched.running)  # attention still reads each
+
+
+def run_steps(sched, k):
+    for _ in range(k):
+        out = sched.schedule()
+        sched.dispatched(out.chunks)
+        s = [c for c in out.chunks if c.samples]
+        sched.update(out.chunks, list(range(len(s))), np.full(len(s), 5))

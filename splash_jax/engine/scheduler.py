@@ -220,6 +220,16 @@ class Scheduler:
         self.running.append(request)
         return n
 
+    def cached_prefix(self, request: Request) -> int:
+        """Tokens of a waiting request's prompt admission would find cached now (the policy prices
+        only the rest); 0 without a cache."""
+        if self.cache is None:
+            return 0
+        chain = self.cache.chain(request, (request.num_tokens - 1) // self.page_size)
+        if not chain:
+            return 0
+        return self.cache.hits(chain, self.placement, self.choose_owner(chain)) * self.page_size
+
     def choose_owner(self, chain: list) -> int:
         """Owner of a request whose cached prefix is `chain`: under an owner-bound placement the
         device holding the longest part of it, unless that device holds more than `balance_pages`

@@ -139,6 +139,10 @@ class PageAllocator:
             total += int(self._cached[lo : lo + self.extra_per_device].sum())
         return total
 
+    def num_referenced(self) -> int:
+        """Pages some holder references (in use; cached pages no one references are not)."""
+        return int(np.count_nonzero(self._refs))
+
     def num_evictable(self, device: int) -> int:
         return len(self._evictable[2 * device]) + len(self._evictable[2 * device + 1])
 

@@ -189,13 +189,15 @@ class SwitchController:
         for r in sorted(sched.running, key=lambda r: r.order):
             owners[r.request_id] = choose_owner(r, src, dst, engine.n, load, engine.config.page_size, dst_pages)
             load[owners[r.request_id]] += self._pages_of(r)
-        reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners)
+        reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners,
+                                    src.kv_placement)
         while reason and preempt and sched.running:
             victim = max(sched.running, key=lambda r: r.order)
             sched.preempt(victim)
             handle.preempted.append(victim.request_id)
             owners.pop(victim.request_id, None)
-            reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners)
+            reason = capacity_check(sched.running, dst, engine.allocator, dst_pages, engine.config.page_size, owners,
+                                    src.kv_placement)
         if reason:
             return self._refuse(handle, reason)
         params = [(p, x.nbytes) for p, x in engine.executor.param_items()]

@@ -338,13 +338,28 @@ def choose_owner(request: Request, src: Layout, dst: Layout, n: int, load: Count
     return min(room, key=lambda d: (-counts[d], load[d], d))
 
 
-def capacity_check(requests: list[Request], dst: Layout, allocator: PageAllocator, dst_pages_per_device: int, page_size: int, owners: dict[str, int]) -> str | None:
-    """None if the destination can hold every running request, else the reason it cannot."""
+def capacity_check(requests: list[Request], dst: Layout, allocator: PageAllocator, dst_pages_per_device: int,
+                   page_size: int, owners: dict[str, int], src=None) -> str | None:
+    """None if the destination can hold every running request, else the reason it cannot. With the
+    source placement `src`, a page several requests share (a cached prefix) counts once per device."""
     n = allocator.num_devices
     need = np.zeros(n, np.int64)
+    seen: set[tuple[int, int]] = set()  # (source page, device): a page requests share is needed there once
     for r in requests:
         g = pages_for_tokens(r.num_tokens + 1, page_size)
-        need += np.asarray(dst.kv_placement.per_device_need(n, owners.get(r.request_id, 0), g))
+        owner = owners.get(r.request_id, 0)
+        need += np.asarray(dst.kv_placement.per_device_need(n, owner, g))
+        if src is None:
+            continue
+        for j in range(len(r.cache_nodes)):  # its first pages: the only ones it may share
+            held = src.devices_of_page(j, r.owner, n)
+            entry = src.entry_of(j, n)
+            for d in dst.kv_placement.devices_of_page(j, owner, n):
+                key = (r.device_pages[d if d in held else held[0]][entry], d)  # what planning reuses or copies
+                if key in seen:
+                    need[d] -= 1
+                else:
+                    seen.add(key)
     worst = int(np.argmax(need - dst_pages_per_device))
     if need[worst] > dst_pages_per_device:
         return (
