@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import logging
 import time
+
+import numpy as np
 
 from benchmarks import workloads as W
 from benchmarks.common import percentiles, table, write_results
@@ -133,6 +136,11 @@ COLUMNS = ["workload", "mode", "wall_s", "tok_s", "ttft_p50", "ttft_p99", "submi
            "hit_rate", "peak_pages", "vs_ideal", "preempt", "done", "sched_ms_p50", "sched_ms_p99", "dispatch_ms_p50"]
 
 
+def digests(outputs: list[list[int]]) -> list[str]:
+    """A short digest of each request's output ids (compare runs of other processes and machines)."""
+    return [hashlib.sha1(np.asarray(o, np.int64).tobytes()).hexdigest()[:12] for o in outputs]
+
+
 def same_outputs(runs: dict) -> dict:
     """Per mode: how many requests' outputs equal the off run's."""
     if "off" not in runs:
@@ -222,6 +230,7 @@ def main(argv=None):
     path = write_results("prefix_reuse", {
         "args": vars(args), "bench": dataclasses.asdict(c), "engine": dataclasses.asdict(config), "rows": rows,
         "same_outputs_as_off": same, "runs": {wl: {m: {k: v for k, v in r.items() if k != "outputs"}
+                                                     | {"output_digests": digests(r["outputs"])}
                                                     for m, r in runs.items()} for wl, runs in results.items()},
         "arrivals": {k: [dataclasses.asdict(a) for a in v] for k, v in arrivals.items()},
     })
