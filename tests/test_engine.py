@@ -93,6 +93,33 @@ def test_small_pool_preempts_and_still_matches(small_engine, reference):
     assert engine.stats()["pages_used"] == 0
 
 
+def test_prefix_caching_under_preemption_and_eviction_matches_model_alone(small_engine, reference):
+    """A pool too small for the prompts at once: requests are preempted (they find their own prefix
+    cached again), cached pages are evicted for room, identical prompts (n > 1) share pages, and
+    every output is still the model's own greedy continuation."""
+    engine = small_engine
+    assert engine.scheduler.cache is not None and engine.stats()["pages_used"] == 0
+    before, evicted = engine.scheduler.num_preemptions, engine.allocator.num_evictions
+    hits = engine.stats()["prefix_cache"]["hits"]
+    twins = [PROMPTS[0]] * 3 + [PROMPTS[4]] * 2
+    for run in range(2):
+        done = {}
+        acc, ids = {}, {}
+        for i, p in enumerate(PROMPTS + twins):
+            ids[engine.add_request(p, SamplingParams(max_tokens=12))] = p
+        while engine.has_work():
+            for out in accumulate(acc, engine.step()):
+                if out.finished:
+                    assert out.token_ids == reference[ids[out.request_id]], ids[out.request_id]
+                    done[out.request_id] = out
+        assert len(done) == len(PROMPTS) + len(twins)
+    assert engine.scheduler.num_preemptions > before
+    assert engine.allocator.num_evictions > evicted
+    assert engine.stats()["prefix_cache"]["hits"] > hits
+    assert engine.stats()["pages_used"] == 0
+    engine.allocator.check_invariants()
+
+
 @pytest.mark.parametrize(
     "prompt,params,message",
     [
