@@ -91,17 +91,17 @@ def fixed_outputs():
     return run(e, switches=None)[0]
 
 
-def run(engine, switches, rng=None):
+def run(engine, switches, rng=None, prompts=PROMPTS, arrivals=ARRIVALS, max_tokens=MAX_TOKENS):
     """Staggered workload; when `switches` (list of layouts) is given, start the next switch as soon
     as the previous one is done, at random steps. Returns (outputs by prompt index, handles)."""
     acc = {}
-    pending = list(zip(ARRIVALS, range(len(PROMPTS))))
+    pending = list(zip(arrivals, range(len(prompts))))
     ids, done, handles, step = {}, {}, [], 0
     queue = list(switches or [])
     while pending or engine.has_work() or queue:
         while pending and pending[0][0] <= step:
             _, i = pending.pop(0)
-            ids[engine.add_request(PROMPTS[i], SamplingParams(max_tokens=MAX_TOKENS[i]))] = i
+            ids[engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i]))] = i
         if queue and engine.switcher.active is None and (rng is None or rng.random() < 0.6):
             dst = queue.pop(0)
             if dst != engine.layout.name:
@@ -575,28 +575,12 @@ def test_a_switch_plans_its_requests_a_few_pages_per_boundary(engine):
 SYSTEM = "System: answer in one short line about latent attention and layouts. "  # several 8-token pages
 SHARED = [SYSTEM + q for q in ("What is MLA?", "Explain TP.", "DOP?", "Why CP", "DP wins when", "ok", "x", "Hi")]
 SHARED_ARRIVALS = [0, 0, 0, 1, 3, 6, 8, 11]
+SHARED_PROMPTS = [p if i != 2 else SHARED[1] for i, p in enumerate(SHARED)]
 
 
 def run_shared(engine, switches=None, rng=None):
-    """The shared-system-prompt workload (two identical prompts at once among them); like run()."""
-    acc, ids, done, handles, step = {}, {}, {}, [], 0
-    pending = list(zip(SHARED_ARRIVALS, range(len(SHARED))))
-    queue = list(switches or [])
-    while pending or engine.has_work() or queue:
-        while pending and pending[0][0] <= step:
-            _, i = pending.pop(0)
-            prompt = SHARED[i] if i != 2 else SHARED[1]  # 1 and 2 identical, arriving together
-            ids[engine.add_request(prompt, SamplingParams(max_tokens=12 + 2 * i))] = i
-        if queue and engine.switcher.active is None and (rng is None or rng.random() < 0.6):
-            dst = queue.pop(0)
-            if dst != engine.layout.name:
-                handles.append(engine.switch_layout(dst))
-        for out in accumulate(acc, engine.step()):
-            if out.finished:
-                done[ids[out.request_id]] = out
-        step += 1
-        assert step < 2000, "workload did not finish"
-    return done, handles
+    """The shared-system-prompt workload (prompts 1 and 2 identical, arriving together); like run()."""
+    return run(engine, switches, rng, SHARED_PROMPTS, SHARED_ARRIVALS, [12 + 2 * i for i in range(len(SHARED))])
 
 
 @pytest.fixture(scope="module")

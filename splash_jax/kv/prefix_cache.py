@@ -129,7 +129,7 @@ class PrefixCache:
         parent = nodes[-1] if nodes else self._root(request.cache_salt)
         if nodes and not parent.attached:
             return  # its prefix was evicted meanwhile: nothing below it is reachable
-        size, n = self.page_size, self.n
+        size = self.page_size
         for j in range(len(nodes), upto_pages):
             key = tuple(request.token_slice(j * size, (j + 1) * size))
             node = parent.children.get(key)
@@ -137,27 +137,24 @@ class PrefixCache:
                 node = parent.children[key] = Node(key, parent, j)
             if node.computing is request:
                 node.computing = None
-            entry = placement.entry_of(j, n)
-            for d in placement.devices_of_page(j, request.owner, n):
-                if d not in node.pages:
-                    page = request.device_pages[d][entry]
-                    node.pages[d] = page
-                    self._node_of[page] = node
-                    self.allocator.mark_cached(page)
+            self._name(node, request, j, placement)
             nodes.append(node)
             parent = node
 
     def register(self, request, placement: Placement) -> None:
         """After a switch moved `request`: name its pages on devices where its nodes have none."""
-        n = self.n
         for j, node in enumerate(request.cache_nodes):
-            entry = placement.entry_of(j, n)
-            for d in placement.devices_of_page(j, request.owner, n):
-                if d not in node.pages:
-                    page = request.device_pages[d][entry]
-                    node.pages[d] = page
-                    self._node_of[page] = node
-                    self.allocator.mark_cached(page)
+            self._name(node, request, j, placement)
+
+    def _name(self, node: Node, request, j: int, placement: Placement) -> None:
+        """Record `request`'s page j on each device that holds it, where `node` names none yet."""
+        entry = placement.entry_of(j, self.n)
+        for d in placement.devices_of_page(j, request.owner, self.n):
+            if d not in node.pages:
+                page = request.device_pages[d][entry]
+                node.pages[d] = page
+                self._node_of[page] = node
+                self.allocator.mark_cached(page)
 
     def release(self, request) -> None:
         """`request` stops running (finished, preempted): its computing marks go (their empty
