@@ -72,6 +72,7 @@ FIELDS = {
     "logit_bias": either(st.sampled_from([{}, {}, {}, {"5": 10}]), st.sampled_from([{"abc": 1}, {"5": 1000}, {str(i): 1 for i in range(500)}, []])),
     "model": either(st.sampled_from(["splash-tiny", "", None]), st.sampled_from(["nope", 7, "m" + SURROGATE])),
     "user": st.one_of(text, st.just(SURROGATE)),
+    "cache_salt": either(st.one_of(st.none(), text), st.sampled_from(["", 5, SURROGATE, "s" * 5000])),
     "unknown_field": st.one_of(st.none(), text, st.integers()),
     "return_token_ids": st.booleans(),
 }
