@@ -232,7 +232,7 @@ def test_owner_layouts_place_a_request_on_the_device_holding_its_prefix():
     owner = first.owner
     follower = req("b", list(range(2, 14)) + [9], 1)
     sched.add(follower)
-    sched.schedule()
+    run_steps(sched, 1)
     assert follower.owner == owner and follower.num_cached_tokens == 12
     run_all(sched)
     # Unless load says otherwise: fill the prefix's device beyond the balance threshold.
@@ -245,11 +245,16 @@ def test_owner_layouts_place_a_request_on_the_device_holding_its_prefix():
         h.device_pages = [[] for _ in range(2)]
         h.slot = sched._free_slots.pop()
         assert sched.allocate(h, 12)
+        h.num_computed, h.cacheable = 12, False  # holding pages, idle (never scheduled: no step runs them)
         sched.running.append(h)
     late = req("c", list(range(2, 14)) + [8], 1)
     sched.add(late)
-    sched.schedule()
+    run_steps(sched, 1)
     assert late.owner != owner and late.num_cached_tokens == 0
+    for h in hogs:
+        sched.finish(h, "abort")
+    run_all(sched)
+    a.check_invariants()
 
 
 def run_all(sched):
