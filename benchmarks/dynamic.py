@@ -30,8 +30,11 @@ keyed "workload/setting".
 
 Reports per run: output tokens/s (all output tokens over the time the last one arrived), TTFT and
 TPOT p50/p99, preemptions, switches, prompt tokens computed (submitted - served from the cache),
-hit rate (cached / submitted prompt tokens); writes JSON (with every run's timeline and the
-policy's decisions) and one timeline plot per workload: layout, running requests and KV use.
+hit rate (cached / submitted prompt tokens), copies per shared page (devices holding each cached
+page of the workload's shared prefixes after the run: benchmarks/cache_census.py) and, under
+dp/dop, how many owner devices requests got (JSON: requests_per_owner); writes JSON (with every
+run's timeline and the policy's decisions) and one timeline plot per workload: layout, running
+requests and KV use.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import jax
 import numpy as np
 
 from benchmarks import workloads as W
+from benchmarks.cache_census import census
 from benchmarks.common import percentiles, table, write_results
 from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
@@ -146,7 +150,7 @@ def switch_idle(engine: Engine, dst: str) -> None:
     if engine.layout.name == dst:
         return
     h = engine.switch_layout(dst)
-    while not h.done:
+    while not h.done or engine.has_work():  # and the boundary after the handoff that frees source pages
         engine.step()
     if h.state.value != "done":
         raise RuntimeError(f"switch to {dst} while idle: {h.state.value} ({h.reason})")
@@ -180,6 +184,7 @@ class Served:
     preemptions: int
     prefix_cache: dict | None  # the engine's prefix-cache counters over the run (queries, hits, evictions)
     host_ms: dict | None = None  # per step: the scheduler's host time (lookups, admission) and the dispatch's (cache inserts)
+    owners: list[int | None] | None = None  # each request's owner device at its first admission under dp/dop, else None
 
 
 def serve(engine: Engine, arrivals: list[W.Arrival], seed: int, caching: str = "off", max_run_s: float = 600.0,
@@ -210,6 +215,8 @@ def serve(engine: Engine, arrivals: list[W.Arrival], seed: int, caching: str = "
     pending: collections.deque = collections.deque()  # ideal: (request, cached tokens) not admitted yet
     cache0, preempt0 = prefix_stats(engine), engine.scheduler.num_preemptions
     samples: list[Sample] = []
+    owners: list[int | None] = [None] * n
+    seen = [False] * n
     phases: dict[str, list[float]] = {"schedule": [], "dispatch": []}
 
     def submit(i: int, t: float) -> None:
@@ -255,6 +262,12 @@ def serve(engine: Engine, arrivals: list[W.Arrival], seed: int, caching: str = "
         now = time.perf_counter() - t0
         phases["schedule"].append(engine.last_step_ms["schedule"])
         phases["dispatch"].append(engine.last_step_ms["dispatch"])
+        owner_bound = engine.layout.kv_placement.owner_bound
+        for request in engine.scheduler.running:
+            i = int(request.request_id)
+            if not seen[i]:
+                seen[i] = True
+                owners[i] = request.owner if owner_bound else None
         for o in outs:
             i = int(o.request_id)
             r = records[i]
@@ -292,7 +305,8 @@ def serve(engine: Engine, arrivals: list[W.Arrival], seed: int, caching: str = "
         delta |= {"hit_rate": delta["hits"] / delta["queries"] if delta.get("queries") else 0.0,
                   "cached_pages": cache1.get("cached_pages"), "enabled": cache1.get("enabled")}
     host = {k: percentiles(v, (50, 99)) for k, v in phases.items()}
-    return Served(records, samples, prompts, outputs, complete, engine.scheduler.num_preemptions - preempt0, delta, host)
+    return Served(records, samples, prompts, outputs, complete, engine.scheduler.num_preemptions - preempt0, delta,
+                  host, owners)
 
 
 def run(engine: Engine, arrivals: list[W.Arrival], mode: str, bench: BenchConfig, seed: int,
@@ -312,7 +326,12 @@ def run(engine: Engine, arrivals: list[W.Arrival], mode: str, bench: BenchConfig
     out = summarize(s.records, s.samples, s.preemptions, switches)
     out |= {"complete": s.complete, "caching": caching, "prefix_cache": s.prefix_cache,
             "timeline": [dataclasses.asdict(x) for x in s.samples],
-            "wrong_lengths": sum(r.tokens != r.output_len for r in s.records if r.finished is not None)}
+            "wrong_lengths": sum(r.tokens != r.output_len for r in s.records if r.finished is not None),
+            # Where the cache holds the workload's shared prefixes after the run (copies per page), and
+            # under dp/dop how many requests each owner device got (cache-aware owners vs balance).
+            "cache_census": census(engine, arrivals, seed),
+            "requests_per_owner": dict(sorted(collections.Counter(o for o in s.owners if o is not None).items())),
+            "owners": s.owners}
     if mode == "auto":
         out["decisions"] = engine.policy.decisions
     engine.policy = None
@@ -354,25 +373,31 @@ def plot(workload: str, runs: dict, path) -> None:
 
 def rows_of(results: dict) -> list[dict]:
     """One table row per (workload, run), with the run's throughput over the best fixed layout's
-    (of the same prefix-caching setting: a results key is "workload" or "workload/setting")."""
+    (of the same prefix-caching setting: a results key is "workload" or "workload/setting") and
+    its prompt tokens computed over the same run's with caching off (when that ran too)."""
     rows = []
     for key, runs in results.items():
         fixed = [r["tokens_per_s"] for m, r in runs.items() if m != "auto"]
         best = max(fixed) if fixed else None
+        off = results.get(key.split("/")[0] + "/off", {})
         for mode, r in runs.items():
+            base = off.get(mode, {}).get("computed_tokens")
             rows.append({
                 "workload": key.split("/")[0], "run": mode, "caching": r.get("caching"), "tok_s": r["tokens_per_s"],
                 "vs_best_fixed": r["tokens_per_s"] / best if best else None,
                 "ttft_p50": r["ttft_s"]["p50"], "ttft_p99": r["ttft_s"]["p99"], "tpot_p50": r["tpot_s"]["p50"],
                 "tpot_p99": r["tpot_s"]["p99"], "preempt": r["preemptions"], "switches": len(r["switches"]),
                 "computed": r.get("computed_tokens"), "hit_rate": r.get("hit_rate"),
+                "computed_vs_off": r["computed_tokens"] / base if base and "computed_tokens" in r else None,
+                "copies": (r.get("cache_census") or {}).get("copies_per_shared_page"),
+                "owners": len(r.get("requests_per_owner") or {}) or None,
                 "steps": r["steps"], "done": f"{r['completed']}/{r['requests']}",
             })
     return rows
 
 
 COLUMNS = ["workload", "run", "caching", "tok_s", "vs_best_fixed", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
-           "preempt", "switches", "computed", "hit_rate", "steps", "done"]
+           "preempt", "switches", "computed", "computed_vs_off", "hit_rate", "copies", "owners", "steps", "done"]
 
 
 def engine_facts(engine: Engine) -> dict:
