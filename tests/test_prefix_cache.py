@@ -236,7 +236,7 @@ def test_owner_layouts_place_a_request_on_the_device_holding_its_prefix():
     assert follower.owner == owner and follower.num_cached_tokens == 12
     run_all(sched)
     # Unless load says otherwise: fill the prefix's device beyond the balance threshold.
-    hogs = [req(f"h{i}", [40 + i] * 12, 30) for i in range(2)]
+    hogs = [req(f"h{i}", [40 + i] * 24, 30) for i in range(2)]
     for h in hogs:
         h.owner = owner
         sched.waiting.append(h)
@@ -244,8 +244,8 @@ def test_owner_layouts_place_a_request_on_the_device_holding_its_prefix():
         sched.waiting.remove(h)
         h.device_pages = [[] for _ in range(2)]
         h.slot = sched._free_slots.pop()
-        assert sched.allocate(h, 12)
-        h.num_computed, h.cacheable = 12, False  # holding pages, idle (never scheduled: no step runs them)
+        assert sched.allocate(h, 24)
+        h.num_computed, h.cacheable = 24, False  # holding pages, idle (never scheduled: no step runs them)
         sched.running.append(h)
     late = req("c", list(range(2, 14)) + [8], 1)
     sched.add(late)

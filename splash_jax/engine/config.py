@@ -54,8 +54,8 @@ class EngineConfig:
     # Automatic prefix caching: full pages stay cached under the exact tokens of the prefix they end
     # and a new request reuses its longest cached prefix (every layout; kept across switches).
     enable_prefix_caching: bool = True
-    # Cache-aware owners (dp, dop): a request goes to the device holding its longest cached prefix
-    # unless that device holds more than this fraction of a device's pages beyond the least loaded one.
+    # Cache-aware owners (dp, dop): among the devices whose pages in use after taking a request stay
+    # within this fraction of a device's pages of the lightest, the one holding most of its prefix.
     prefix_balance_fraction: float = 0.125
     layout: str = "tp"  # attention layout: tp | dp | dop | cp (all equal on one device)
     num_devices: int = 1  # devices in the mesh, in jax.devices() order

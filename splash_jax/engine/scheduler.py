@@ -36,7 +36,7 @@ import itertools
 import logging
 
 from splash_jax.engine.request import Request, Status
-from splash_jax.kv.allocator import PageAllocator
+from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.page_table import PageTables
 from splash_jax.kv.placement import Placement
 from splash_jax.kv.prefix_cache import CacheStats, PrefixCache
@@ -186,7 +186,7 @@ class Scheduler:
         limit = (request.num_tokens - 1) // size  # its last token is always computed
         if cache is not None:
             chain = cache.chain(request, limit)
-            request.owner = self.choose_owner(chain)
+            request.owner = self.choose_owner(chain, request)
             hit = cache.hits(chain, self.placement, request.owner)
             if cache.waits_for(chain, hit, request):
                 cache.stats.deferred += 1
@@ -228,21 +228,26 @@ class Scheduler:
         chain = self.cache.chain(request, (request.num_tokens - 1) // self.page_size)
         if not chain:
             return 0
-        return self.cache.hits(chain, self.placement, self.choose_owner(chain)) * self.page_size
+        return self.cache.hits(chain, self.placement, self.choose_owner(chain, request)) * self.page_size
 
-    def choose_owner(self, chain: list) -> int:
-        """Owner of a request whose cached prefix is `chain`: under an owner-bound placement the
-        device holding the longest part of it, unless that device holds more than `balance_pages`
-        pages beyond the least loaded one; otherwise (and without a hit) the least loaded device."""
+    def choose_owner(self, chain: list, request: Request | None = None) -> int:
+        """Owner of a request whose cached prefix is `chain`. Under an owner-bound placement: among
+        the devices whose pages in use after taking it (its pages less the prefix each already
+        holds) stay within `balance_pages` of the lightest, the one holding most of its prefix;
+        otherwise (and without a hit) the least loaded device. Counting what each device would
+        add, not its load now, keeps a shared system prompt's owner from looking busy by the
+        prefix alone (a second copy elsewhere costs the same pages again)."""
         least = self.least_loaded_device()
         if not chain or not self.placement.owner_bound or self.n == 1:
             return least
         hits = [self.cache.hits(chain, self.placement, d) for d in range(self.n)]
-        best = max(range(self.n), key=lambda d: (hits[d], self.allocator.num_free(d), -d))
-        if hits[best] == hits[least]:
+        if max(hits) == hits[least]:
             return least
-        used = [self.allocator.pages_per_device - self.allocator.num_free(d) for d in range(self.n)]
-        return best if used[best] - used[least] <= self.balance_pages else least
+        need = pages_for_tokens(request.num_tokens, self.page_size) if request is not None else len(chain)
+        after = [self.allocator.pages_per_device - self.allocator.num_free(d) + max(0, need - hits[d])
+                 for d in range(self.n)]
+        room = min(after) + self.balance_pages
+        return max((d for d in range(self.n) if after[d] <= room), key=lambda d: (hits[d], -after[d], -d))
 
     def dispatched(self, chunks: list[ScheduledChunk]) -> None:
         """A step with these chunks was dispatched: their latents will be in the pool before any
