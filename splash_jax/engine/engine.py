@@ -535,9 +535,11 @@ class Engine:
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn automatic prefix caching on or off while idle (off forgets every cached page), so
         one engine can serve a workload both ways (benchmarks, A/B tests)."""
-        if self.has_work():
-            raise RuntimeError("set_prefix_caching needs an idle engine")
+        if self.scheduler.has_work() or (self.switcher is not None and self.switcher.active is not None):
+            raise RuntimeError("set_prefix_caching needs an idle engine (no request, no switch in progress)")
         self.flush()  # a last step whose requests all finished may still be in flight
+        if self.switcher is not None:
+            self.switcher.free_deferred()  # the last handoff's source pages, due at the next boundary
         self.scheduler.set_prefix_caching(enabled)
         self.config.enable_prefix_caching = enabled
 
