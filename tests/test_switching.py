@@ -242,8 +242,8 @@ def test_refused_when_destination_cannot_hold_requests_then_preempt(engine):
         while not h.done:
             engine.step()
     long = "word " * 40
-    for _ in range(8):
-        engine.add_request(long, SamplingParams(max_tokens=40))
+    for i in range(8):  # distinct prompts: with one shared prompt its pages count once, and tp holds them
+        engine.add_request(f"{i} " + long, SamplingParams(max_tokens=40))
     while engine.scheduler.waiting:
         accumulate(acc, engine.step())
     h = engine.switch_layout("tp")  # TP keeps a replica per device: 8 x ~130 tokens do not fit one device
