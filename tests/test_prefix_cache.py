@@ -165,7 +165,7 @@ def drive(ops, placement, n, caching, pages_per_device):
         guard += 1
         assert guard < 2000
     a.check_invariants()
-    assert a._refs.sum() == 0  # idle: every page free or cached
+    assert a.num_referenced() == 0  # idle: every page free or cached
     assert all(a.num_free(d) == pages_per_device for d in range(n))
     for rid, r in reqs.items():
         outs[rid] = (r.finish_reason, list(r.output_ids))

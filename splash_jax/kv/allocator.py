@@ -229,9 +229,6 @@ class PageAllocator:
             raise RuntimeError(f"page {page} marked cached with no reference held")
         self._cached[page] = True
 
-    def is_cached(self, page: int) -> bool:
-        return bool(self._cached[page])
-
     def uncache(self, page: int) -> None:
         """The cache forgets a page (not an eviction: it was dropped as a whole, e.g. on reset)."""
         if not self._cached[page]:

@@ -25,10 +25,10 @@ from splash_jax.kv.placement import Placement
 
 
 class Node:
-    __slots__ = ("key", "parent", "children", "pages", "depth", "computing")
+    __slots__ = ("key", "parent", "children", "pages", "computing")
 
-    def __init__(self, key: tuple, parent: "Node | None", depth: int):
-        self.key, self.parent, self.depth = key, parent, depth
+    def __init__(self, key: tuple, parent: "Node | None"):
+        self.key, self.parent = key, parent
         self.children: dict[tuple, Node] = {}
         self.pages: dict[int, int] = {}  # device -> global page id holding this prefix there
         self.computing = None  # the running request that will fill this block, if none has yet
@@ -112,7 +112,7 @@ class PrefixCache:
             key = tuple(request.token_slice(j * size, (j + 1) * size))
             node = parent.children.get(key)
             if node is None:
-                node = parent.children[key] = Node(key, parent, j)
+                node = parent.children[key] = Node(key, parent)
             if node.computing is None and not node.pages:
                 node.computing = request
                 marked.append(node)
@@ -134,7 +134,7 @@ class PrefixCache:
             key = tuple(request.token_slice(j * size, (j + 1) * size))
             node = parent.children.get(key)
             if node is None:
-                node = parent.children[key] = Node(key, parent, j)
+                node = parent.children[key] = Node(key, parent)
             if node.computing is request:
                 node.computing = None
             self._name(node, request, j, placement)
@@ -170,7 +170,7 @@ class PrefixCache:
     def _root(self, salt) -> Node:
         root = self._roots.get(salt)
         if root is None:
-            root = self._roots[salt] = Node((), None, -1)
+            root = self._roots[salt] = Node((), None)
         return root
 
     def _evicted(self, page: int) -> None:
