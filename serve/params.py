@@ -143,8 +143,6 @@ def check_chat(ctx, body: ChatCompletionRequest) -> None:
             texts.append(m.content)
     check_prompt_sizes(ctx, "messages", texts)
     check_common(ctx, body, 1)
-    if body.tools and body.tool_choice != "none":
-        raise _bad("tools are not supported by this server", "tools")
     if body.response_format is not None and body.response_format.type != "text":
         raise _bad("response_format other than 'text' is not supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:

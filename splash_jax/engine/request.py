@@ -6,6 +6,10 @@ import dataclasses
 import enum
 import math
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splash_jax.structured.spec import StructuredOutputs
 
 MAX_LOGPROBS = 20  # top-n alternatives computed on device for every row (OpenAI's limit)
 
@@ -57,6 +61,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM: prompt + output tokens; positive logits / p, negative x p
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None = off; 0 = chosen token only; n = plus top-n alternatives
+    prompt_logprobs: int | None = None  # None = off; n: each prompt token's logprob plus the top-n (vLLM's name)
+    structured_outputs: "StructuredOutputs | None" = None  # what the output must match (JSON schema, regex, ...)
 
     @property
     def uses_penalties(self) -> bool:
@@ -80,6 +86,9 @@ class SamplingParams:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -209,6 +218,10 @@ class RequestOutput:
     ttft: float | None = None
     tpot: float | None = None
     error: str | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs), on the request's first output only: one
+    # entry per prompt token, None for the first (nothing precedes it), as vLLM returns them.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     # Accumulated results (Engine.generate, AsyncEngine collectors); empty on streamed deltas.
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -223,6 +236,8 @@ class RequestOutput:
         if delta.delta_logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.delta_logprobs
             self.top_logprobs = (self.top_logprobs or []) + (delta.delta_top_logprobs or [])
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
         for f in ("finished", "finish_reason", "stop_reason", "num_cached_tokens", "num_output_tokens", "ttft", "tpot", "error"):
             setattr(self, f, getattr(delta, f))
         self.delta_token_ids, self.delta_text = delta.delta_token_ids, delta.delta_text
