@@ -59,6 +59,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (llguidance builds its token tables from it)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids of `text`. Through `encode_batch`, which releases the GIL while it works
         (measured in the server: `encode` of 1 MB held it for 0.8 s, stalling the event loop)."""

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from splash_jax.distributed.channel import PeerLost, exit_on_failure
-from splash_jax.distributed.leader import MirrorError, global_step_inputs
+from splash_jax.distributed.leader import MirrorError, global_mask, global_step_inputs
 from splash_jax.distributed.wire import Command
 from splash_jax.engine.executor import Bucket
 from splash_jax.engine.sampler import SamplerMode
@@ -37,6 +37,7 @@ class Follower:
         self.outputs: list[jax.Array] = []  # recorded-program outputs since the last swap
         self.lag_s: list[float] = []  # process 0 sent a step -> taken up here (includes work on earlier commands; same clock only)
         self.num_commands = 0
+        self.deferred = None  # a step's logits whose sampling process 0 sends next (`sample`)
 
     def run(self) -> None:
         """Replay commands until process 0 says stop."""
@@ -64,10 +65,23 @@ class Follower:
         a = cmd.arrays
         try:
             inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"])
-            self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"], cmd.fields.get("expanded", False),
-                        SamplerMode(**cmd.fields.get("mode", {})))
+            out = self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"], cmd.fields.get("expanded", False),
+                              SamplerMode(**cmd.fields.get("mode", {})), global_mask(self.ex, a.get("mask")),
+                              cmd.fields.get("defer", False))
+            self.deferred = out if cmd.fields.get("defer", False) else None
         except Exception as e:  # noqa: BLE001 - process 0 sees the same failure and sends `reset`
             log.warning("mirrored step failed (%s: %s); waiting for process 0's recovery", type(e).__name__, e)
+
+    def _sample(self, cmd: Command) -> None:
+        """The deferred sampler of the last step (a step with grammar masks)."""
+        step, self.deferred = self.deferred, None
+        if step is None:
+            log.warning("a sample command without a deferred step (the step failed here); waiting for recovery")
+            return
+        try:
+            self.ex.sample(step, SamplerMode(**cmd.fields["mode"]), global_mask(self.ex, cmd.arrays.get("mask")))
+        except Exception as e:  # noqa: BLE001 - process 0 sees the same failure and sends `reset`
+            log.warning("mirrored sampling failed (%s: %s); waiting for process 0's recovery", type(e).__name__, e)
 
     def _reset(self, cmd: Command) -> None:
         self.outputs = []

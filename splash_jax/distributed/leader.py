@@ -4,7 +4,7 @@ In multi-controller JAX every process must launch the same programs, in the same
 global arrays. Process 0 alone schedules, so the device-facing objects of its engine are wrapped
 from outside (no hook inside the executor or the switch controller): each call that launches a
 device program is sent to the followers first (so they never make process 0 wait), then run here.
-  executor.run / reset_device_state / apply_to_pool / swap    -> step, reset, move/drop_extra, swap
+  executor.run / sample / reset_device_state / apply_to_pool / swap -> step, sample, reset, move/drop_extra, swap
   switch controller: page movers, weight resharder, extra-segment allocator -> move, reshard, make_extra
 A swap names its arrays by where they came from (a current leaf, or the output of a recorded
 program since the last swap), so followers assemble the same state from their own shards.
@@ -26,6 +26,11 @@ from splash_jax.switch.migration import drop_extra_segment
 
 class MirrorError(RuntimeError):
     """A device call that the followers cannot mirror: the multi-process wrapper needs a hook for it."""
+
+
+def global_mask(ex, mask):
+    """A grammar mask (host array) as a global replicated array (see global_step_inputs)."""
+    return None if mask is None else jax.make_array_from_callback(mask.shape, ex.replicated, lambda i: mask[i])
 
 
 def global_step_inputs(ex, rep, dev, move):
@@ -84,13 +89,18 @@ class LeaderExecutor:
         setattr(self._inner, name, value)
 
     def run(self, bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
-            expanded: bool = False, mode: SamplerMode = FULL_MODE):
+            expanded: bool = False, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None, defer: bool = False):
         self._channel.send(Command(
             "step", {"bucket": dataclasses.asdict(bucket), "full": bool(full), "expanded": bool(expanded),
-                     "mode": dataclasses.asdict(mode), "t": time.time()},
-            {"rep": rep, "dev": dev, "move": move},
+                     "mode": dataclasses.asdict(mode), "defer": bool(defer), "t": time.time()},
+            {"rep": rep, "dev": dev, "move": move, "mask": mask},
         ))
-        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full, expanded, mode)
+        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full, expanded, mode,
+                               global_mask(self._inner, mask), defer)
+
+    def sample(self, step, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None):
+        self._channel.send(Command("sample", {"mode": dataclasses.asdict(mode)}, {"mask": mask}))
+        return self._inner.sample(step, mode, global_mask(self._inner, mask))
 
     def reset_device_state(self) -> None:
         self._channel.send(Command("reset"))

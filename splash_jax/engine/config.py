@@ -57,6 +57,10 @@ class EngineConfig:
     # Cache-aware owners (dp, dop): among the devices whose pages in use after taking a request stay
     # within this fraction of a device's pages of the lightest, the one holding most of its prefix.
     prefix_balance_fraction: float = 0.125
+    # JSON from structured outputs (response_format, structured_outputs.json): compact (", " and ": "
+    # separators, no other whitespace: a small model cannot pad it with blank lines until max_tokens)
+    # | flexible (any JSON whitespace, llguidance's default)
+    structured_json_whitespace: str = "compact"
     layout: str = "tp"  # attention layout: tp | dp | dop | cp (all equal on one device)
     num_devices: int = 1  # devices in the mesh, in jax.devices() order
     enable_switching: bool = False  # precompile every layout and the migration programs
@@ -148,6 +152,8 @@ class EngineConfig:
 
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"--moe-impl must be one of {', '.join(MOE_IMPLS)}, got {self.moe_impl!r}")
+        if self.structured_json_whitespace not in ("compact", "flexible"):
+            raise ValueError(f"--structured-json-whitespace must be compact or flexible, got {self.structured_json_whitespace!r}")
         if self.graph_scheduling not in ("concurrent", "xla"):
             raise ValueError(f"--graph-scheduling must be concurrent or xla, got {self.graph_scheduling!r}")
         if self.layout_policy not in ("off", "auto"):

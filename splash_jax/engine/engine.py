@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +31,7 @@ from jax.sharding import NamedSharding
 from splash_jax import distributed
 from splash_jax.attention.expanded import min_chunk_tokens, worth_expanding
 from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import StepExecutor, StepResult
+from splash_jax.engine.executor import StepExecutor, StepLogits, StepResult
 from splash_jax.engine.output_processor import OutputProcessor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
 from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, needs_full
@@ -53,6 +54,8 @@ from splash_jax.model import RuntimeOptions
 from splash_jax.model_config import ModelConfig
 from splash_jax.paths import DEFAULT_MODEL
 from splash_jax.switch.migration import in_step_chunk_pages
+from splash_jax.structured.grammar import GrammarCompiler
+from splash_jax.structured.masks import MaskBuilder
 from splash_jax.tokenizer import Tokenizer
 from splash_jax.weights.loader import load_model
 
@@ -71,8 +74,11 @@ class InFlight:
 
     chunks: list[ScheduledChunk]
     rows: list[int]  # output row of each sampling chunk
-    result: StepResult
+    result: StepResult | None  # None while its sampling waits for grammar masks (`logits` holds the forward pass)
     want_logprobs: bool
+    prompt_rows: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (chunk, first row, count)
+    logits: StepLogits | None = None
+    mode: SamplerMode = FULL_MODE
 
 
 class Engine:
@@ -178,6 +184,9 @@ class Engine:
             self.policy = TransitionAwarePolicy(self, config.policy)
 
         self.outputs = OutputProcessor(tokenizer)
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
+        self._grammar_lock = threading.Lock()
+        self.masks = MaskBuilder(cfg.vocab_size)
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
@@ -231,7 +240,19 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
-        return Request(rid, ids, params, prompt_text=text, sample_seed=seed, cache_salt=cache_salt or None)
+        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
+        return Request(rid, ids, params, prompt_text=text, sample_seed=seed, cache_salt=cache_salt or None, grammar=grammar)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler (llguidance's tables of this tokenizer), built once."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured outputs need the model's tokenizer (tokenizer.json)", "structured_outputs")
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, self.eos_ids,
+                                                 self.config.structured_json_whitespace)
+            return self._grammars
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     cache_salt: str | None = None) -> str:
@@ -346,7 +367,12 @@ class Engine:
             done = dispatched
         back_to_back, self._completed_last_call = self._completed_last_call, done is not None
         self._last_wait_s = 0.0
-        if done is not None:
+        failures = self.num_step_failures
+        if done is not None and done is not dispatched:
+            outputs += self._complete(done, back_to_back)  # the previous step: its tokens advance the grammars
+        if dispatched is not None and dispatched.logits is not None and self.num_step_failures == failures:
+            self._sample_deferred(dispatched)
+        if done is not None and done is dispatched and done.result is not None:
             outputs += self._complete(done, back_to_back)
         t4 = time.perf_counter()
         self.last_step_ms = {"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
@@ -381,13 +407,16 @@ class Engine:
         return failed
 
     def _bucket(self, chunks: list[ScheduledChunk]):
+        """The smallest bucket holding the chunks' tokens, requests and logits rows (a chunk with
+        prompt logprobs takes a row per position)."""
+        rows = sum(c.num_rows for c in chunks)
         if self.layout.owner_rows:
             tokens, requests = [0] * self.n, [0] * self.n
             for c in chunks:
                 tokens[c.request.owner] += c.num_tokens
                 requests[c.request.owner] += 1
-            return self.executor.pick(max(tokens), max(requests))
-        return self.executor.pick(sum(c.num_tokens for c in chunks), len(chunks))
+            return self.executor.pick(max(tokens), max(max(requests), -(-rows // self.n)))
+        return self.executor.pick(sum(c.num_tokens for c in chunks), max(len(chunks), rows))
 
     def _pack(self, chunks: list[ScheduledChunk], expand: bool = True):
         """-> (bucket, expanded, packed). expand=False: never the expanded-prefill program."""
@@ -419,27 +448,57 @@ class Engine:
         move = self.switcher.step_moves() if self.switcher is not None else None
         if expanded and move is not None:  # moving programs have no expanded variant
             bucket, expanded, packed = self._pack(chunks, expand=False)
+        sampling = [c for c in chunks if c.samples]
+        lp_chunks = [c for c in chunks if c.num_rows > 1]
+        constrained = any(c.request.grammar is not None for c in sampling)
         try:
-            full = any(needs_full(c.request.params) for c in chunks)
-            mode = SamplerMode.serving(c.request.params for c in chunks) if full else FULL_MODE
-            result = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode)
+            full = bool(lp_chunks) or any(needs_full(c.request.params) for c in chunks)
+            mode = FULL_MODE
+            if full:
+                mode = SamplerMode.serving(c.request.params for c in chunks)
+                if any(c.request.params.prompt_logprobs for c in lp_chunks):
+                    mode = dataclasses.replace(mode, top_logprobs=True)
+            # A step with grammar rows runs its forward pass now and its sampling once the host
+            # has advanced each grammar by the previous step's token (_sample_deferred).
+            out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained)
         except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
             self._recover(e, chunks)
             return None
-        result.tokens.copy_to_host_async()
+        if not constrained:
+            out.tokens.copy_to_host_async()
         self.scheduler.dispatched(chunks)  # the pages these chunks completed may be cached now
-        for c, row in zip((c for c in chunks if c.samples), packed.rows):
+        for c, row in zip(sampling, packed.rows):
             c.request.pending_row = row
         now = time.monotonic()
         for c in chunks:
             if c.request.metrics.first_scheduled is None:
                 c.request.metrics.first_scheduled = now
-        want = any(c.request.params.logprobs is not None for c in chunks if c.samples)
-        return InFlight(chunks, packed.rows, result, want)
+        want = bool(lp_chunks) or any(c.request.params.logprobs is not None for c in sampling)
+        if constrained:
+            return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode)
+        return InFlight(chunks, packed.rows, out, want, packed.prompt_rows)
+
+    def _sample_deferred(self, step: InFlight) -> None:
+        """Sample a step whose forward pass was dispatched ahead of its grammar masks: fill the
+        constrained rows' masks from their grammars (advanced by every token the host has) and
+        dispatch the sampler program, before the next step's forward pass reads its tokens."""
+        matchers = [(c.request.grammar, row) for c, row in zip((c for c in step.chunks if c.samples), step.rows)
+                    if c.request.grammar is not None and not c.request.is_finished]
+        mask = self.masks.fill(step.logits.logits.shape[0], matchers)
+        try:
+            step.result = self.executor.sample(step.logits, step.mode, mask)
+        except Exception as e:  # noqa: BLE001 - the sampler failed on the device
+            step.logits = None
+            self._recover(e, step.chunks)
+            return
+        step.logits = None
+        step.result.tokens.copy_to_host_async()
 
     def _complete(self, step: InFlight, back_to_back: bool = False) -> list[RequestOutput]:
         """Read back a dispatched step and apply its tokens (stops, finishes, output deltas).
         back_to_back: the previous step() completed a step too (its interval is a cadence)."""
+        if step.result is None:  # its deferred sampling failed: _recover already requeued its requests
+            return []
         try:
             t = time.perf_counter()
             tokens = np.asarray(step.result.tokens)
@@ -452,6 +511,8 @@ class Engine:
         self.num_steps += 1
         self.timeline.completed(time.perf_counter(), step.chunks, back_to_back)
         now = time.monotonic()
+        for i, first, count in step.prompt_rows:
+            collect_prompt_logprobs(step.chunks[i].request, logprobs, first, count)
         outputs = []
         for update in self.scheduler.update(step.chunks, step.rows, tokens):
             out, hit = self.outputs.process(update, logprobs, now)
@@ -499,6 +560,7 @@ class Engine:
             self.switcher.active[0].cancel()  # its plans name pages of the lost pool: start again if wanted
         for request in self.scheduler.waiting:
             request.num_pending, request.pending_row = 0, -1  # tokens of the lost steps are sampled again
+            request.prompt_lp_next = len(request.prompt_lps)  # and their prompt logprobs computed again
         self._slot_request = [None] * len(self._slot_request)
         if self.scheduler.cache is not None:
             self.scheduler.cache.clear()  # the cached pages' contents went with the pool
@@ -600,6 +662,18 @@ class Engine:
             "compile": self.executor.compile_stats.summary(),  # start-up compiles: programs, seconds, cache hits
             "step_intervals": self.timeline.summary(),  # cadence by step kind (engine/step_timeline.py)
         }
+
+
+def collect_prompt_logprobs(request: Request, logprobs, first: int, count: int) -> None:
+    """Append a step's prompt-logprob rows [first, first + count) to the request's entries."""
+    if request.is_finished or not count:
+        return
+    chosen, top_ids, top_lp = logprobs
+    request.prompt_lps += chosen[first : first + count].tolist()
+    k = request.params.prompt_logprobs
+    if k:
+        request.prompt_tops += [dict(zip(i[:k].tolist(), v[:k].tolist())) for i, v in
+                                zip(top_ids[first : first + count], top_lp[first : first + count])]
 
 
 def _checkpoint_is_fp8(path: Path) -> bool:

@@ -42,6 +42,7 @@ from splash_jax.engine.penalties import PenaltyState, update_history
 from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, SamplingInputs, sample
 from splash_jax.engine.step_packer import StepShape, unpack_step
 from splash_jax.kv.cache import KVCache, StepInput
+from splash_jax.structured.masks import mask_words
 from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
 from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
 
@@ -229,6 +230,7 @@ class StepExecutor:
         self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
         self._compiled: dict[tuple[str, Bucket, bool, bool, bool], object] = {}
         self._samplers: dict[tuple[int, SamplerMode], object] = {}  # (logits rows, mode) -> compiled
+        self._open_masks: dict[int, jax.Array] = {}  # logits rows -> all-ones token mask on the device
         self.num_compiled = 0
         self.compile_seconds = 0.0
         self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
@@ -353,23 +355,30 @@ class StepExecutor:
         return jax.jit(mapped, donate_argnums=(1, 2)), shape
 
     def _sampler_program(self, rows: int, mode: SamplerMode):
-        """Penalties, the draw and what `mode` asks for, on a full step's StepLogits; replicated
-        like the logits (every device samples the same rows), the penalty state only read."""
+        """Penalties, the grammar masks, the draw and what `mode` asks for, on a full step's
+        StepLogits; replicated like the logits (every device samples the same rows), the penalty
+        state only read. The mask is an input of fixed shape ([rows, ceil(V/32)] int32, all ones
+        for rows without a grammar), so constrained steps run the same programs."""
         max_rows = self.max_rows
 
-        def fn(step: StepLogits, penalties: PenaltyState) -> StepResult:
-            out = sample(step.logits, step.sampling, penalties, full=True, mode=mode)
+        def fn(step: StepLogits, penalties: PenaltyState, mask: jax.Array) -> StepResult:
+            out = sample(step.logits, step.sampling, penalties, full=True, mode=mode, mask=mask)
             tokens = jnp.zeros(max_rows, jnp.int32).at[:rows].set(out.tokens)
             return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs)
 
         return jax.jit(fn, out_shardings=self.replicated)
+
+    @property
+    def mask_words(self) -> int:
+        return mask_words(self.penalties.output_counts.shape[-1])
 
     def lower_sampler(self, rows: int, mode: SamplerMode):
         vocab = self.penalties.output_counts.shape[-1]
         step = StepLogits(jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=self.replicated),
                           SamplingInputs.abstract(rows, self.widths, self.replicated))
         pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
-        return self._sampler_program(rows, mode).lower(step, pen)
+        mask = jax.ShapeDtypeStruct((rows, self.mask_words), jnp.int32, sharding=self.replicated)
+        return self._sampler_program(rows, mode).lower(step, pen, mask)
 
     def sampler_program(self, rows: int, mode: SamplerMode):
         """The compiled sampler program for `rows` logits rows (compiled here only without warm-up)."""
@@ -378,6 +387,13 @@ class StepExecutor:
             program = self._samplers[(rows, mode)] = self.lower_sampler(rows, mode).compile()
             self.num_compiled += 1
         return program
+
+    def open_mask(self, rows: int) -> jax.Array:
+        """The all-ones mask of `rows` rows, kept on the device (steps without a grammar send none)."""
+        mask = self._open_masks.get(rows)
+        if mask is None:
+            mask = self._open_masks[rows] = jax.device_put(np.full((rows, self.mask_words), -1, np.int32), self.replicated)
+        return mask
 
     def sampler_rows(self, layouts: list[Layout]) -> list[int]:
         """Logits rows of every bucket's step in these layouts: the sampler programs warm-up needs."""
@@ -389,6 +405,7 @@ class StepExecutor:
         with self.compile_stats.track("samplers") as rec:
             for key in todo:
                 self._samplers[key] = self.lower_sampler(*key).compile()
+                self.open_mask(key[0])
             rec["programs"] = len(todo)
         self.num_compiled += len(todo)
         self.compile_seconds += rec["seconds"]
@@ -505,21 +522,36 @@ class StepExecutor:
     # --- running --------------------------------------------------------------------------
     def run(
         self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
-        expanded: bool = False, mode: SamplerMode = FULL_MODE,
-    ) -> StepResult:
+        expanded: bool = False, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None, defer: bool = False,
+    ) -> StepResult | StepLogits:
         """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced.
-        full: the sampler with random draws, logprobs and penalties (sampler.needs_full), then a
-        sampler program for `mode` (what the step's rows ask for beyond that) after the step's.
-        expanded: the program with a prefill_span (packed with `shape(..., expanded=True)`)."""
+        full: the sampler with random draws, logprobs, penalties and grammar masks
+        (sampler.needs_full), then a sampler program for `mode` (what the step's rows ask for
+        beyond that) after the step's. mask: [rows, ceil(V/32)] int32 token masks (None: all
+        allowed). defer (full only): dispatch the forward pass alone and return its StepLogits;
+        `sample()` runs the sampler later (once the host knows the grammar masks), before the
+        next step. expanded: the program with a prefill_span (packed with `shape(..., expanded=True)`)."""
         if expanded and move is not None:
             raise ValueError("a step that moves pages has no expanded-prefill program")
+        if defer and not full:
+            raise ValueError("only a full step defers its sampling")
         program = self.compiled(self.layout, bucket, move is not None, full, expanded)
         inputs = [jax.device_put(rep, self.replicated), jax.device_put(dev, self.per_device)]
         if move is not None:
             inputs.append(jax.device_put(move, self.per_device))
         out, self.kv, self.penalties = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)
-        if full:
-            out = self.sampler_program(out.logits.shape[0], mode)(out, self.penalties)
+        if defer:
+            return out
+        return self.sample(out, mode, mask) if full else self._sampled(out)
+
+    def sample(self, step: StepLogits, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None) -> StepResult:
+        """The sampler program on a full step's logits (deferred by `run(defer=True)`); its tokens
+        feed the next step."""
+        rows = step.logits.shape[0]
+        mask = self.open_mask(rows) if mask is None else jax.device_put(mask, self.replicated)
+        return self._sampled(self.sampler_program(rows, mode)(step, self.penalties, mask))
+
+    def _sampled(self, out: StepResult) -> StepResult:
         self.prev_tokens = out.tokens
         return out
 

@@ -55,6 +55,11 @@ class OutputProcessor:
             delta_top = [{int(t): float(v) for t, v in zip(top_ids[row][:k], top_lp[row][:k])}]
         reason = "stop" if hit is not None else update.finish_reason
         finished = reason is not None
+        prompt_lp = prompt_top = None
+        if request.params.prompt_logprobs is not None and not request.prompt_lps_sent:
+            request.prompt_lps_sent = True  # the first output carries them (vLLM does the same)
+            prompt_lp = [None] + request.prompt_lps
+            prompt_top = [None] + (request.prompt_tops if request.params.prompt_logprobs else [{}] * len(request.prompt_lps))
         if finished:
             request.metrics.finished = now
             self.remove(request.request_id)
@@ -72,6 +77,9 @@ class OutputProcessor:
             num_output_tokens=len(request.output_ids),
             ttft=request.metrics.ttft(),
             tpot=request.metrics.tpot(len(request.output_ids)) if finished else None,
+            error=request.error if finished else None,
+            prompt_logprobs=prompt_lp,
+            prompt_top_logprobs=prompt_top,
         )
         return out, hit
 

@@ -165,6 +165,17 @@ class Request:
     num_cacheable: int = 0  # tokens whose latents dispatched steps wrote (what the cache may name)
     admissions: int = 0  # times admitted (a preempted request is admitted again)
     cacheable: bool = True  # False: its pages hold no real latents (benchmarks' admit_cached)
+    grammar: object = None  # llguidance.LLMatcher of params.structured_outputs, advanced as tokens reach the host
+    prompt_lp_next: int = 0  # prompt logprobs: the next position whose logits a step returns
+    prompt_lps: list = dataclasses.field(default_factory=list)  # entry p: logprob of prompt token p + 1
+    prompt_tops: list = dataclasses.field(default_factory=list)  # entry p: its top-n alternatives {id: logprob}
+    prompt_lps_sent: bool = False  # the first output carried them
+    error: str | None = None  # why it failed (a grammar dead end), shown in its last output
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed (position P - 1 predicts the first output)."""
+        return self.params.prompt_logprobs is not None and self.prompt_lp_next < len(self.prompt_ids) - 1
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Known tokens [start, stop) of prompt + output without concatenating the whole sequence."""

@@ -49,6 +49,7 @@ class SamplingInputs:
     suppress_ids: jax.Array | None = None  # [R, K] int32, -1 = none: masked to -inf this step (min_tokens)
     bias_ids: jax.Array | None = None  # [R, B] int32, -1 = none
     bias_values: jax.Array | None = None  # [R, B] float32
+    target: jax.Array | None = None  # [R] int32: the token whose logprob the row returns (-1 = the sampled one; prompt logprobs)
 
     @classmethod
     def host(cls, n: int, widths: SamplerWidths | None = None) -> "SamplingInputs":
@@ -60,6 +61,7 @@ class SamplingInputs:
             *base, np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32),
             np.zeros(n, np.float32), np.full((n, widths.num_suppress), -1, np.int32),
             np.full((n, widths.num_bias), -1, np.int32), np.zeros((n, widths.num_bias), np.float32),
+            np.full(n, -1, np.int32),
         )
 
     @classmethod
@@ -151,8 +153,18 @@ def _draw(logits: jax.Array, s: SamplingInputs, filtered: bool = True) -> jax.Ar
 
 
 def needs_full(params: SamplingParams) -> bool:
-    """Whether a request needs the full sampler: a random draw, top-n logprobs or penalties."""
-    return params.temperature > 0 or bool(params.logprobs) or params.uses_penalties
+    """Whether a request needs the full sampler: a random draw, top-n logprobs, penalties or a
+    grammar's token mask."""
+    return (params.temperature > 0 or bool(params.logprobs) or params.uses_penalties
+            or params.structured_outputs is not None)
+
+
+def apply_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear in the row's packed int32 mask ([R, ceil(V/32)]) go to -inf."""
+    vocab = logits.shape[-1]
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    keep = bits.reshape(mask.shape[0], -1)[:, :vocab].astype(bool)
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -179,17 +191,21 @@ FULL_MODE = SamplerMode()
 
 
 def sample(logits: jax.Array, s: SamplingInputs, penalties: PenaltyState | None = None, full: bool = True,
-           mode: SamplerMode = FULL_MODE) -> SampleOutput:
+           mode: SamplerMode = FULL_MODE, mask: jax.Array | None = None) -> SampleOutput:
     """Suppress and logit_bias always; with `full` also penalties, the random draw (rows with
     temperature > 0), and what `mode` asks for: the draw's min_p/top-k/top-p filter and top-n
     logprobs (without them a draw samples the whole tempered distribution and top-n comes back
     as zeros). `full` and `mode` are static: the host knows every row's parameters and picks the
     program, so the step has no lax.cond (on GPUs a conditional stops the host until its predicate
     is known, which serializes host and device). Logprobs stay those of the raw model
-    distribution. penalties=None: no penalties."""
+    distribution. penalties=None: no penalties. mask: [R, ceil(V/32)] int32 token bitmask (grammars),
+    applied after penalties and bias, before the draw; rows without a grammar pass all ones.
+    A row with `target` >= 0 returns that token's logprob instead of the sampled one's."""
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = process_logits(logits, s, penalties if full else None)
+    if mask is not None:
+        logits = apply_mask(logits, mask)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     rows, k = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
     top_lp, top_ids = jnp.zeros((rows, k), jnp.float32), jnp.zeros((rows, k), jnp.int32)
@@ -197,5 +213,6 @@ def sample(logits: jax.Array, s: SamplingInputs, penalties: PenaltyState | None 
         tokens = jnp.where(s.temperature > 0, _draw(logits, s, mode.filter), tokens)
         if mode.top_logprobs:
             top_lp, top_ids = jax.lax.top_k(logprobs, k)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    scored = tokens if s.target is None else jnp.where(s.target >= 0, s.target, tokens)
+    chosen = jnp.take_along_axis(logprobs, scored[:, None], axis=-1)[:, 0]
     return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)

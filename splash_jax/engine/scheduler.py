@@ -50,10 +50,30 @@ class ScheduledChunk:
     start: int  # first position computed this step
     num_tokens: int
     samples: bool  # reaches the end of the sequence: a token is sampled
+    lp_start: int = -1  # prompt logprobs: positions lp_start.. each get a logits row (-1: only the last)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows the chunk takes in its step: one, or one per position from lp_start."""
+        return self.end - self.lp_start if self.lp_start >= 0 else 1
+
+
+def logits_rows(request: Request, start: int, n: int) -> int:
+    """Logits rows a chunk of n positions from `start` needs (the rule `_take` applies)."""
+    if request.wants_prompt_logprobs:
+        return max(1, start + n - max(start, request.prompt_lp_next))
+    return 1
+
+
+def cap_to_rows(request: Request, start: int, n: int, rows_left: int) -> int:
+    """The longest chunk (<= n) whose logits rows fit in rows_left (>= 1)."""
+    if request.wants_prompt_logprobs:
+        return min(n, rows_left + max(start, request.prompt_lp_next) - start)
+    return n
 
 
 @dataclasses.dataclass
@@ -71,6 +91,17 @@ class TokenUpdate:
     row: int  # its row in the step's outputs
     finish_reason: str | None  # set when a token-level stop finished the request
     stop_token: bool  # the token is EOS or a stop_token_id (its text is not shown)
+
+
+def advance_grammar(request: Request, token: int) -> str | None:
+    """Feed a sampled token to the request's grammar: "stop" once the grammar is complete (nothing
+    may follow), "error" (with request.error set) if it rejects the token, else None."""
+    g = request.grammar
+    if not g.consume_token(token) or g.is_error():
+        request.error = f"structured output: the grammar cannot continue after token {token} ({g.get_error() or 'rejected'})"
+        log.warning("request %s: %s", request.request_id, request.error)
+        return "error"
+    return "stop" if g.is_stopped() else None
 
 
 class Scheduler:
@@ -143,7 +174,9 @@ class Scheduler:
 
     # --- before a step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        """Chunks for the next step within the token budget and max_num_seqs logits rows (a
+        request asking for prompt logprobs takes a row per prompt position it computes)."""
+        budget, rows = self.max_num_batched_tokens, self.max_num_seqs
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         scheduled: set[int] = set()
@@ -151,9 +184,9 @@ class Scheduler:
         decoding = [r for r in todo if r.num_tokens - r.num_computed == 1 and not self.sampling_done(r)]
         prefilling = [r for r in todo if r.num_tokens - r.num_computed > 1]
         for request in decoding + prefilling:
-            if request not in self.running or budget == 0:
+            if request not in self.running or budget == 0 or rows == 0:
                 continue  # preempted by an earlier request of this step, or out of budget
-            n = min(request.num_tokens - request.num_computed, budget)
+            n = cap_to_rows(request, request.num_computed, min(request.num_tokens - request.num_computed, budget), rows)
             if not self.enable_chunked_prefill and n < request.num_tokens - request.num_computed:
                 continue
             if not self._ensure_pages(request, request.num_computed + n, scheduled, preempted):
@@ -161,11 +194,12 @@ class Scheduler:
             chunks.append(self._take(request, n))
             scheduled.add(id(request))
             budget -= n
+            rows -= chunks[-1].num_rows
 
         deferred = []  # waiting for a block another request computes (kept in order)
-        while self.waiting and budget > 0 and self._free_slots:
+        while self.waiting and budget > 0 and rows > 0 and self._free_slots:
             request = self.waiting.popleft()
-            admitted = self._admit(request, budget)
+            admitted = self._admit(request, budget, rows)
             if admitted is None:  # no room: admission stays in arrival order
                 self.waiting.appendleft(request)
                 break
@@ -175,16 +209,20 @@ class Scheduler:
             chunks.append(self._take(request, admitted))
             scheduled.add(id(request))
             budget -= admitted
+            rows -= chunks[-1].num_rows
         self.waiting.extendleft(reversed(deferred))
         return SchedulerOutput(chunks, preempted)
 
-    def _admit(self, request: Request, budget: int) -> int | None:
+    def _admit(self, request: Request, budget: int, rows: int | None = None) -> int | None:
         """Admit `request` with its cached prefix: the tokens of its first chunk, 0 if it waits for
-        a block another request is computing, None if it does not fit now (nothing changed)."""
+        a block another request is computing, None if it does not fit now (nothing changed).
+        A request still owed prompt logprobs computes its whole prompt (their logits are needed)."""
         cache, size = self.cache, self.page_size
         chain, hit = [], 0
         limit = (request.num_tokens - 1) // size  # its last token is always computed
-        if cache is not None:
+        if cache is not None and request.wants_prompt_logprobs:
+            request.owner = self.least_loaded_device()
+        elif cache is not None:
             chain = cache.chain(request, limit)
             request.owner = self.choose_owner(chain, request)
             hit = cache.hits(chain, self.placement, request.owner)
@@ -195,9 +233,9 @@ class Scheduler:
             request.owner = self.least_loaded_device()
         computed = hit * size
         remaining = request.num_tokens - computed
-        if not self.enable_chunked_prefill and remaining > budget:
+        n = cap_to_rows(request, computed, min(remaining, budget), self.max_num_seqs if rows is None else rows)
+        if not self.enable_chunked_prefill and n < remaining:
             return None
-        n = min(remaining, budget)
         request.slot = self._free_slots.pop()
         request.device_pages = cache.take(request, chain, hit, self.placement) if hit else [[] for _ in range(self.n)]
         for d, pages in enumerate(request.device_pages):
@@ -264,7 +302,11 @@ class Scheduler:
                     cache.insert(r, self.placement, upto)
 
     def _take(self, request: Request, n: int) -> ScheduledChunk:
-        chunk = ScheduledChunk(request, request.num_computed, n, request.num_computed + n == request.num_tokens)
+        start = request.num_computed
+        chunk = ScheduledChunk(request, start, n, start + n == request.num_tokens)
+        if request.wants_prompt_logprobs:
+            chunk.lp_start = max(start, request.prompt_lp_next)
+            request.prompt_lp_next = start + n
         request.num_computed += n
         request.num_pending += chunk.samples
         return chunk
@@ -375,10 +417,10 @@ class Scheduler:
             request.output_ids.append(token)
             p = request.params
             stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
-            reason = None
-            if stop_token and len(request.output_ids) >= p.min_tokens:
+            reason = advance_grammar(request, token) if request.grammar is not None else None
+            if reason is None and stop_token and len(request.output_ids) >= p.min_tokens:
                 reason, request.stop_reason = "stop", (token if token in p.stop_token_ids else None)
-            elif len(request.output_ids) >= p.max_tokens or request.num_known >= self.max_model_len:
+            elif reason is None and len(request.output_ids) >= p.max_tokens or request.num_known >= self.max_model_len:
                 reason = "length"
             if reason is not None:
                 self.finish(request, reason)

@@ -156,6 +156,7 @@ class PackedStep:
     rep: np.ndarray  # [X] int32
     dev: np.ndarray  # [N, Y] int32
     rows: list[int]  # output row of each sampling chunk, in chunk order
+    prompt_rows: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (chunk, first row, count): prompt logprobs
 
 
 def pack_step(
@@ -187,12 +188,18 @@ def pack_step(
             lslot[mine] = np.concatenate([[0], np.cumsum(lengths[mine])[:-1]]) if len(mine) else []
         if num and ((lrow.max() >= rq) or np.max(lslot + lengths) > tq):
             raise ValueError(f"a device overflows its bucket ({tq} tokens, {rq} requests)")
-        row, base = np.arange(num), owners * tq + lslot
+        base = owners * tq + lslot
     else:
         if lengths.sum() > tq or num > rq:
             raise ValueError(f"step overflows its bucket ({tq} tokens, {rq} requests)")
-        lrow = row = np.arange(num)
+        lrow = np.arange(num)
         lslot = base = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if num else np.zeros(0, np.int64)
+    # Logits rows in chunk order: one per chunk (its last position), or one per position from
+    # lp_start for a chunk that returns prompt logprobs.
+    nrows = np.fromiter((c.num_rows for c in chunks), np.int64, num)
+    row = np.cumsum(nrows) - 1 if num else np.zeros(0, np.int64)  # each chunk's last (sampling) row
+    if num and row[-1] >= shape.rows:
+        raise ValueError(f"step needs {row[-1] + 1} logits rows; its bucket has {shape.rows}")
 
     chunk_of = np.repeat(np.arange(num), lengths)
     offset = np.arange(int(lengths.sum())) - np.repeat(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) if num else np.zeros(0, np.int64)
@@ -220,12 +227,21 @@ def pack_step(
     prompt_len = np.zeros(t_total, np.int32)
     prompt_len[gslot] = np.fromiter((len(c.request.prompt_ids) for c in chunks), np.int64, num)[chunk_of]
     logits_index = np.zeros(rows_total, np.int32)
+    sampling = SamplingInputs.host(rows_total, shape.widths)
+    prompt_rows = []
     if all_logits:
         logits_index[: len(gslot)] = gslot
     else:
         logits_index[row] = base + lengths - 1
+        for i in np.flatnonzero(nrows > 1):  # prompt logprobs: row r of position p scores prompt token p + 1
+            c = chunks[i]
+            first = row[i] - nrows[i] + 1
+            logits_index[first : row[i] + 1] = base[i] + (c.lp_start - c.start) + np.arange(nrows[i])
+            prompt = c.request.prompt_ids
+            count = max(0, min(c.end, len(prompt) - 1) - c.lp_start)  # positions <= P - 2
+            sampling.target[first : first + count] = prompt[c.lp_start + 1 : c.lp_start + 1 + count]
+            prompt_rows.append((i, int(first), count))
 
-    sampling = SamplingInputs.host(rows_total, shape.widths)
     samples = np.fromiter((c.samples for c in chunks), bool, num)
     generated = np.fromiter((c.request.num_generated - c.samples for c in chunks), np.int64, num)
     if num:
@@ -270,7 +286,7 @@ def pack_step(
         **{"s_" + f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingInputs)},
     })
     dev = shape.device_spec().pack(per_device, lead=(n,))
-    return PackedStep(rep, dev, row[samples].tolist())
+    return PackedStep(rep, dev, row[samples].tolist(), prompt_rows)
 
 
 def prefill_spans(n: int, lengths: np.ndarray, starts: np.ndarray, lslot: np.ndarray, owners: np.ndarray | None,
