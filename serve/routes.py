@@ -20,6 +20,9 @@ from serve.protocol import (
     ChatCompletionRequest, CompletionRequest, LayoutInfo, LayoutRequest, LayoutSwitchResponse, ModelCard, ModelList,
     VersionInfo,
 )
+from serve.tokenize import (
+    DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize, tokenizer_info,
+)
 
 router = APIRouter()
 
@@ -71,6 +74,22 @@ async def completions(body: CompletionRequest, raw: Request, ctx: ServerContext 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
     return await create_chat_completion(ctx, body, raw)
+
+
+# --- tokenizer (server root, as vLLM serves them) ------------------------------------------
+@router.post("/tokenize")
+async def tokenize_route(body: TokenizeRequest, ctx: ServerContext = Depends(get_ctx)) -> TokenizeResponse:
+    return await tokenize(ctx, body)
+
+
+@router.post("/detokenize")
+async def detokenize_route(body: DetokenizeRequest, ctx: ServerContext = Depends(get_ctx)) -> DetokenizeResponse:
+    return await detokenize(ctx, body)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info_route(ctx: ServerContext = Depends(get_ctx)) -> dict:
+    return await tokenizer_info(ctx)
 
 
 # --- attention layout ----------------------------------------------------------------------
