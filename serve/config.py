@@ -23,6 +23,7 @@ class ServerLimits:
     max_stop_strings: int = 32  # entries in `stop`
     max_stop_string_chars: int = 1024  # characters per stop string
     max_cache_salt_chars: int = 1024  # characters in cache_salt (the prefix-cache namespace a request names)
+    max_grammar_chars: int = 256 * 1024  # characters of a JSON schema, regex, grammar or choice list (structured outputs)
     tokenizer_threads: int = 2  # threads that tokenize, render chat templates and decode echoes
 
 

@@ -57,6 +57,8 @@ class ChoiceDelta:
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     num_cached_tokens: int = 0  # the request's prompt tokens served from the prefix cache (not a delta)
+    prompt_logprobs: list[float | None] | None = None  # on the first delta only (SamplingParams.prompt_logprobs)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -71,7 +73,8 @@ class ChoiceState:
         return ChoiceDelta(
             text=out.delta_text, token_ids=list(out.delta_token_ids), logprobs=out.delta_logprobs,
             top_logprobs=out.delta_top_logprobs, finish_reason=out.finish_reason if out.finished else None,
-            num_cached_tokens=out.num_cached_tokens,
+            num_cached_tokens=out.num_cached_tokens, prompt_logprobs=out.prompt_logprobs,
+            prompt_top_logprobs=out.prompt_top_logprobs,
         )
 
 
@@ -85,8 +88,12 @@ class ChoiceAccumulator:
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
         self.text += delta.text
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
@@ -96,7 +103,8 @@ class ChoiceAccumulator:
         self.num_cached_tokens = delta.num_cached_tokens  # every output carries the request's count
 
     def as_delta(self) -> ChoiceDelta:
-        return ChoiceDelta(self.text, self.token_ids, self.logprobs, self.top_logprobs, self.finish_reason, self.num_cached_tokens)
+        return ChoiceDelta(self.text, self.token_ids, self.logprobs, self.top_logprobs, self.finish_reason,
+                           self.num_cached_tokens, self.prompt_logprobs, self.prompt_top_logprobs)
 
 
 def completion_logprobs(state: ChoiceState, delta: ChoiceDelta, token_text: TokenText) -> CompletionLogprobs | None:
@@ -110,6 +118,48 @@ def completion_logprobs(state: ChoiceState, delta: ChoiceDelta, token_text: Toke
         out.top_logprobs.append({token_text(t): v for t, v in top.items()})
         out.text_offset.append(state.text_offset)
         state.text_offset += len(text)
+    return out
+
+
+def echo_logprobs(state: ChoiceState, prompt_ids: list[int], delta: ChoiceDelta, token_text: TokenText) -> CompletionLogprobs:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's legacy format, as vLLM
+    returns it): every prompt token, its logprob (None for the first) and its top-n."""
+    out = CompletionLogprobs()
+    lps = delta.prompt_logprobs or [None] * len(prompt_ids)
+    tops = delta.prompt_top_logprobs or [None] * len(prompt_ids)
+    for token, lp, top in zip(prompt_ids, lps, tops):
+        text = token_text(token)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append(None if top is None else {token_text(t): v for t, v in top.items()})
+        out.text_offset.append(state.text_offset)
+        state.text_offset += len(text)
+    return out
+
+
+def joined_logprobs(first: CompletionLogprobs | None, second: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    if first is None or second is None:
+        return first or second
+    return CompletionLogprobs(tokens=first.tokens + second.tokens, token_logprobs=first.token_logprobs + second.token_logprobs,
+                              top_logprobs=first.top_logprobs + second.top_logprobs, text_offset=first.text_offset + second.text_offset)
+
+
+def vllm_prompt_logprobs(prompt_ids: list[int], delta: ChoiceDelta, token_text: TokenText) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs` field: None, then per prompt token {id: {logprob, rank, decoded_token}}
+    holding the token itself and its top-n (rank: 1-based place among the top-n; null for the
+    prompt token when it is not among them, since only the top-n are ranked on the device)."""
+    out: list[dict[str, dict] | None] = []
+    lps = delta.prompt_logprobs or [None] * len(prompt_ids)
+    tops = delta.prompt_top_logprobs or [None] * len(prompt_ids)
+    for token, lp, top in zip(prompt_ids, lps, tops):
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = sorted((top or {}).items(), key=lambda kv: -kv[1])
+        entry = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": token_text(t)} for r, (t, v) in enumerate(ranked)}
+        if str(token) not in entry:
+            entry = {str(token): {"logprob": lp, "rank": None, "decoded_token": token_text(token)}, **entry}
+        out.append(entry)
     return out
 
 

@@ -17,6 +17,7 @@ from serve.errors import APIError
 from serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from splash_jax.engine.request import MAX_LOGPROBS, Request, RequestError, SamplingParams
 from splash_jax.engine.stop import compile_stops
+from splash_jax.structured import StructuredOutputs
 
 _INT_KEY = re.compile(r"-?\d{1,10}")
 
@@ -29,11 +30,13 @@ class FieldNames:
     prompt: str = "prompt"
     max_tokens: str = "max_tokens"
     logprobs: str = "logprobs"
+    structured_outputs: str = "structured_outputs"  # or response_format, guided_json, ...
 
     def of(self, field: str | None) -> str:
         if field is None:
             return self.prompt
-        return {"max_tokens": self.max_tokens, "logprobs": self.logprobs}.get(field, field)
+        return {"max_tokens": self.max_tokens, "logprobs": self.logprobs,
+                "structured_outputs": self.structured_outputs}.get(field, field)
 
 
 def _bad(message: str, param: str | None, code: str | None = None) -> APIError:
@@ -68,6 +71,9 @@ def check_common(ctx, body: SamplingFields, num_prompts: int) -> None:
     if body.logit_bias is not None and len(body.logit_bias) > ctx.sampling_limits.max_logit_bias:
         raise _bad(f"logit_bias may hold at most {ctx.sampling_limits.max_logit_bias} entries, got {len(body.logit_bias)}",
                    "logit_bias")
+    if body.prompt_logprobs is not None and not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+        raise _bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {body.prompt_logprobs}", "prompt_logprobs")
+    structured_outputs_of(ctx, body)  # checks sizes and that exactly one constraint is given
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options is only allowed when stream is true", "stream_options")
     if body.cache_salt is not None:  # a string (pydantic checked the type); vLLM also refuses an empty one
@@ -102,8 +108,8 @@ def check_completion(ctx, body: CompletionRequest) -> list[str | list[int]]:
         raise _bad("best_of is not supported by this server (leave it unset or equal to n)", "best_of")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise _bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", "logprobs")
-    if body.echo and body.logprobs is not None:
-        raise _bad("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    if body.max_tokens is not None and body.max_tokens == 0 and not body.echo:
+        raise _bad("max_tokens must be >= 1 (0 only with echo: the prompt's logprobs alone)", "max_tokens")
     return prompts
 
 
@@ -143,12 +149,53 @@ def check_chat(ctx, body: ChatCompletionRequest) -> None:
             texts.append(m.content)
     check_prompt_sizes(ctx, "messages", texts)
     check_common(ctx, body, 1)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise _bad("response_format other than 'text' is not supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise _bad("top_logprobs needs logprobs set to true", "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise _bad(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", "top_logprobs")
+
+
+def structured_outputs_of(ctx, body: SamplingFields) -> tuple[StructuredOutputs | None, str]:
+    """The request's output constraint and the field it came from (for 400s): response_format,
+    structured_outputs, or vLLM's older guided_* fields. Bounded work: sizes are checked here;
+    the grammar compiles later, on a tokenizer thread (Engine.make_request)."""
+    found: list[tuple[str, StructuredOutputs]] = []
+    rf = body.response_format
+    if rf is not None:
+        if rf.type == "json_object":
+            found.append(("response_format", StructuredOutputs(json_object=True)))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise _bad("response_format of type json_schema needs json_schema.schema", "response_format")
+            found.append(("response_format", StructuredOutputs(json=rf.json_schema.schema_)))
+        elif rf.type != "text":
+            raise _bad(f"response_format type must be text, json_object or json_schema, got {rf.type[:40]!r}", "response_format")
+    so = body.structured_outputs
+    if so is not None:
+        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar), ("json_object", so.json_object or None)) if v is not None}
+        if len(given) != 1:
+            raise _bad(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
+                       f"{', '.join(given) or 'none'}", "structured_outputs")
+        found.append(("structured_outputs", StructuredOutputs(**given)))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(body, name, None)
+        if value is not None:
+            found.append((name, StructuredOutputs(**{kind: value})))
+    if len(found) > 1:
+        raise _bad(f"give one output constraint, not {' and '.join(n for n, _ in found)}", found[1][0])
+    if not found:
+        return None, "structured_outputs"
+    name, spec = found[0]
+    kind, text = spec.key()
+    limit = ctx.limits.max_grammar_chars
+    if len(text) > limit:
+        raise _bad(f"the {kind} constraint has {len(text)} characters; at most {limit}", name)
+    if kind == "choice" and (not spec.choice or not all(isinstance(c, str) and c for c in spec.choice)):
+        raise _bad("choice must be a non-empty list of non-empty strings", name)
+    check_text(name, text)
+    return spec, name
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
@@ -164,9 +211,11 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def sampling_params(ctx, body: SamplingFields, max_tokens: int | None, logprobs: int | None, names: FieldNames) -> SamplingParams:
+def sampling_params(ctx, body: SamplingFields, max_tokens: int | None, logprobs: int | None, names: FieldNames,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters for one choice, validated (400 naming the request's field).
-    max_tokens None (chat's default) stands for the rest of the context, fixed in make_choices."""
+    max_tokens None (chat's default) stands for the rest of the context, fixed in make_choices.
+    prompt_logprobs: what echo + logprobs asks for (else the request's prompt_logprobs extra)."""
     params = SamplingParams(
         max_tokens=ctx.max_model_len - 1 if max_tokens is None else max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -183,6 +232,8 @@ def sampling_params(ctx, body: SamplingFields, max_tokens: int | None, logprobs:
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
+        structured_outputs=structured_outputs_of(ctx, body)[0],
     )
     try:
         params.validate(ctx.vocab_size, ctx.sampling_limits)

@@ -54,6 +54,26 @@ class UsageInfo(_Out):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class StructuredOutputsParams(_Body):
+    json_: str | dict | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(_Body):
     """Fields both endpoints share; extras (top_k, ignore_eos, ...) follow vLLM's names."""
 
@@ -78,6 +98,14 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # add token ids to each choice (vLLM's name); used to check outputs
     cache_salt: str | None = None  # prefix-cache namespace (vLLM's name): only requests with the same salt share cached pages
+    # structured outputs (vLLM's names): exactly one of json, regex, choice, grammar, json_object
+    structured_outputs: StructuredOutputsParams | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob plus the top-n (vLLM's extra)
 
 
 # --- /v1/completions -------------------------------------------------------------------
@@ -103,6 +131,9 @@ class CompletionChoice(_Out):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omitted_if_none()
+    # vLLM's prompt_logprobs extra: None, then per prompt token {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, dict] | None] | None = _omitted_if_none()
+    prompt_token_ids: list[int] | None = _omitted_if_none()
 
 
 class CompletionResponse(_Out):
@@ -126,17 +157,12 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
-class ResponseFormat(_Body):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     add_generation_prompt: bool = True
