@@ -449,7 +449,7 @@ class Engine:
         if expanded and move is not None:  # moving programs have no expanded variant
             bucket, expanded, packed = self._pack(chunks, expand=False)
         sampling = [c for c in chunks if c.samples]
-        lp_chunks = [c for c in chunks if c.num_rows > 1]
+        lp_chunks = [c for c in chunks if c.lp_start >= 0]
         constrained = any(c.request.grammar is not None for c in sampling)
         try:
             full = bool(lp_chunks) or any(needs_full(c.request.params) for c in chunks)

@@ -228,24 +228,24 @@ def pack_step(
     prompt_len[gslot] = np.fromiter((len(c.request.prompt_ids) for c in chunks), np.int64, num)[chunk_of]
     logits_index = np.zeros(rows_total, np.int32)
     sampling = SamplingInputs.host(rows_total, shape.widths)
+    samples = np.fromiter((c.samples for c in chunks), bool, num)
+    generated = np.fromiter((c.request.num_generated - c.samples for c in chunks), np.int64, num)
+    if num:
+        slot_sampling.rows(sampling, row, slots, generated)
     prompt_rows = []
     if all_logits:
         logits_index[: len(gslot)] = gslot
     else:
         logits_index[row] = base + lengths - 1
-        for i in np.flatnonzero(nrows > 1):  # prompt logprobs: row r of position p scores prompt token p + 1
-            c = chunks[i]
+        for i, c in enumerate(chunks):  # prompt logprobs: row r of position p scores prompt token p + 1
+            if c.lp_start < 0:
+                continue
             first = row[i] - nrows[i] + 1
             logits_index[first : row[i] + 1] = base[i] + (c.lp_start - c.start) + np.arange(nrows[i])
             prompt = c.request.prompt_ids
             count = max(0, min(c.end, len(prompt) - 1) - c.lp_start)  # positions <= P - 2
             sampling.target[first : first + count] = prompt[c.lp_start + 1 : c.lp_start + 1 + count]
             prompt_rows.append((i, int(first), count))
-
-    samples = np.fromiter((c.samples for c in chunks), bool, num)
-    generated = np.fromiter((c.request.num_generated - c.samples for c in chunks), np.int64, num)
-    if num:
-        slot_sampling.rows(sampling, row, slots, generated)
 
     # Per-device fields from the persistent page tables.
     if shape.owner_rows:
