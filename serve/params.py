@@ -252,7 +252,9 @@ def make_choices(
     try:
         first = ctx.engine.make_request(prompt, dataclasses.replace(params), f"{id_prefix}-{first_index}", cache_salt=cache_salt)
     except RequestError as e:
-        raise _bad(str(e), names.of(getattr(e, "field", None))) from None
+        field = names.of(getattr(e, "field", None))
+        message = re.sub(r"^structured_outputs(\.\w+)?", field, str(e)) if e.field == "structured_outputs" else str(e)
+        raise _bad(message, field) from None
     limit, prompt_len = ctx.max_model_len, len(first.prompt_ids)
     if max_tokens is None:  # OpenAI's chat default: as many as fit
         max_tokens = limit - prompt_len
