@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, n choices,
-streamed or not."""
+streamed or not, with OpenAI tool calls parsed out of the text (serve.tools, serve.tool_parser)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,12 +16,15 @@ from serve.context import SSE_DONE, ServerContext, sse, usage
 from serve.disconnect import SSEResponse, unless_disconnected
 from serve.errors import APIError
 from serve.outputs import ChoiceState, chat_logprobs
-from serve.params import FieldNames, check_chat, make_choices, sampling_params
+from serve.params import FieldNames, check_chat, make_choices, sampling_params, structured_outputs_of
 from serve.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessage,
-    ChatResponseMessage, ChatStreamChoice,
+    ChatResponseMessage, ChatStreamChoice, ToolCallDelta, ToolCallOut,
 )
+from serve.tool_parser import ParserDelta, ToolCallParser, parse_tool_calls
+from serve.tools import ToolSetup, check_tools, finish_reason, template_messages, tool_grammar
 from splash_jax.engine.request import Request, SamplingParams
+from splash_jax.structured import StructuredOutputs
 
 
 def _message_text(i: int, message: ChatMessage) -> str:
@@ -34,14 +38,17 @@ def _message_text(i: int, message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
-    """Token ids of the rendered chat template (blocking); the template writes any BOS itself."""
+def render_prompt(ctx: ServerContext, body: ChatCompletionRequest, tools: ToolSetup | None = None) -> list[int]:
+    """Token ids of the rendered chat template (blocking); the template writes any BOS itself.
+    tools: the request's validated tool settings (None: no tools in the prompt)."""
     tokenizer = ctx.engine.tokenizer
     if tokenizer is None:
         raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions with token ids", 400)
-    messages = [{"role": m.role, "content": _message_text(i, m)} for i, m in enumerate(body.messages)]
+    texts = [_message_text(i, m) for i, m in enumerate(body.messages)]
+    messages, template_tools = template_messages(tokenizer, body.messages, texts, tools)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        extra = {} if template_tools is None else {"tools": template_tools}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **extra)
     except jinja2.TemplateError as e:
         raise APIError(f"the chat template rejected the messages: {e}", param="messages") from e
     ids = tokenizer.encode(text, add_bos=False)
@@ -50,23 +57,39 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
     return ids
 
 
-def _prepare(ctx: ServerContext, body: ChatCompletionRequest, params: SamplingParams, max_tokens, rid: str, names: FieldNames):
-    return make_choices(ctx, render_prompt(ctx, body), params, body.n, max_tokens, rid, 0, names, body.cache_salt)
+def _prepare(ctx: ServerContext, body: ChatCompletionRequest, params: SamplingParams, max_tokens, rid: str, names: FieldNames,
+             tools: ToolSetup):
+    prompt = render_prompt(ctx, body, tools)
+    try:
+        return make_choices(ctx, prompt, params, body.n, max_tokens, rid, 0, names, body.cache_salt)
+    except APIError as e:
+        if tools.enforced and e.param == "structured_outputs":  # the grammar is ours, made of the tools
+            raise APIError(f"the tools' parameters do not compile into a grammar for tool_choice: {e.message}",
+                           400, param="tools") from None
+        raise
+
+
+def _with_tool_grammar(params: SamplingParams, body: ChatCompletionRequest, tools: ToolSetup) -> SamplingParams:
+    """tool_choice "required" or a named function: the output must be calls (llguidance enforces it)."""
+    grammar = tool_grammar(tools.tools, body.tool_choice, tools.parallel) if tools.enforced else None
+    return params if grammar is None else dataclasses.replace(params, structured_outputs=StructuredOutputs(grammar=grammar))
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw: HTTPRequest) -> Response:
     check_chat(ctx, body)
+    tools = check_tools(ctx, body)
     model = ctx.resolve_model(body.model)
     given = body.max_completion_tokens is not None
-    names = FieldNames(prompt="messages", max_tokens="max_completion_tokens" if given else "max_tokens", logprobs="top_logprobs")
+    names = FieldNames(prompt="messages", max_tokens="max_completion_tokens" if given else "max_tokens", logprobs="top_logprobs",
+                       structured_outputs=structured_outputs_of(ctx, body)[1])
     max_tokens = body.max_completion_tokens if given else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(ctx, body, max_tokens, logprobs, names)
+    params = _with_tool_grammar(sampling_params(ctx, body, max_tokens, logprobs, names), body, tools)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    requests = await ctx.run_blocking(_prepare, ctx, body, params, max_tokens, rid, names)
+    requests = await ctx.run_blocking(_prepare, ctx, body, params, max_tokens, rid, names, tools)
     states = ctx.choice_states(requests)
     if body.stream:
-        return SSEResponse(_stream(ctx, body, model, rid, requests, states))
+        return SSEResponse(_stream(ctx, body, model, rid, requests, states, tools))
 
     results = await unless_disconnected(raw, ctx.accumulated(requests, states))
     if results is None:
@@ -74,11 +97,16 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     choices = []
     for r in requests:
         state, result = states[r.request_id], results[r.request_id]
+        content, calls, reason = result.text, [], result.finish_reason
+        if tools.parses:
+            content, calls = parse_tool_calls(result.text, tools.max_calls)
+            reason = finish_reason(reason, calls)
         choices.append(ChatChoice(
             index=state.index,
-            message=ChatResponseMessage(content=result.text),
+            message=ChatResponseMessage(content=(content or None) if calls else content,
+                                        tool_calls=[ToolCallOut(**c.as_openai()) for c in calls] or None),
             logprobs=chat_logprobs(result.as_delta(), ctx.token_text),
-            finish_reason=result.finish_reason,
+            finish_reason=reason,
             token_ids=result.token_ids if body.return_token_ids else None,
         ))
     total = sum(len(a.token_ids) for a in results.values())
@@ -91,9 +119,10 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
 
 async def _stream(
     ctx: ServerContext, body: ChatCompletionRequest, model: str, rid: str, requests: list[Request],
-    states: dict[str, ChoiceState],
+    states: dict[str, ChoiceState], tools: ToolSetup,
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    parsers = {request_id: ToolCallParser(tools.max_calls) for request_id in states} if tools.parses else {}
 
     def chunk(choices: list[ChatStreamChoice], **kw) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, **kw))
@@ -109,13 +138,21 @@ async def _stream(
             delta = state.advance(out)
             total += len(delta.token_ids)
             cached[out.request_id] = delta.num_cached_tokens
-            if not delta.text and delta.finish_reason is None and not (wants_tokens and delta.token_ids):
+            parsed, reason = ParserDelta(delta.text), delta.finish_reason
+            parser = parsers.get(out.request_id)
+            if parser is not None:
+                parsed = parser.feed(delta.text)
+                if reason is not None:
+                    parsed = parsed.then(parser.finish())
+                    reason = finish_reason(reason, parser.calls)
+            if not parsed and reason is None and not (wants_tokens and delta.token_ids):
                 continue
             yield chunk([ChatStreamChoice(
                 index=state.index,
-                delta=ChatDelta(content=delta.text or None),
+                delta=ChatDelta(content=parsed.content or None,
+                                tool_calls=[ToolCallDelta(**c) for c in parsed.tool_calls] or None),
                 logprobs=chat_logprobs(delta, ctx.token_text),
-                finish_reason=delta.finish_reason,
+                finish_reason=reason,
                 token_ids=delta.token_ids if body.return_token_ids else None,
             )])
         if body.stream_options and body.stream_options.include_usage:

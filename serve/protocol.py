@@ -151,10 +151,25 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = ""  # a JSON string (OpenAI); an object is accepted and serialized
+
+
+class ToolCall(_Body):
+    """A call an earlier assistant message made (sent back in `messages`)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None  # None in an assistant message that only calls tools
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # role "tool": the call this message answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -165,6 +180,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
     add_generation_prompt: bool = True
 
 
@@ -182,9 +198,21 @@ class ChatLogprobs(_Out):
     content: list[ChatLogprobToken] | None = None
 
 
+class ToolCallFunction(_Out):
+    name: str
+    arguments: str  # JSON text as the model wrote it
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(_Out):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = _omitted_if_none()
 
 
 class ChatChoice(_Out):
@@ -204,9 +232,24 @@ class ChatCompletionResponse(_Out):
     usage: UsageInfo
 
 
+class ToolCallFunctionDelta(_Out):
+    name: str | None = _omitted_if_none()
+    arguments: str | None = _omitted_if_none()
+
+
+class ToolCallDelta(_Out):
+    """A stream's piece of a call: the first has id, type and name, later ones argument text."""
+
+    index: int
+    id: str | None = _omitted_if_none()
+    type: Literal["function"] | None = _omitted_if_none()
+    function: ToolCallFunctionDelta | None = _omitted_if_none()
+
+
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
+    tool_calls: list[ToolCallDelta] | None = _omitted_if_none()
 
 
 class ChatStreamChoice(_Out):

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 from tokenizers import Tokenizer as HFTokenizer
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -54,6 +55,8 @@ class Tokenizer:
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(self.chat_template)
+        # what the template reads: a template without `tools` gets tool descriptions some other way
+        self.template_variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(self.chat_template)))
 
     @property
     def vocab_size(self) -> int:
@@ -83,10 +86,12 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL[ch] for ch in piece)
         return None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """tools (OpenAI's tool objects) reach the template as `tools`, as transformers passes them."""
+        extra = {} if tools is None else {"tools": tools}
         return self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
         )
 
 
