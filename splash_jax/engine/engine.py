@@ -15,6 +15,7 @@ step it just dispatched; both give identical outputs.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import gc
 import itertools
@@ -79,6 +80,7 @@ class InFlight:
     prompt_rows: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (chunk, first row, count)
     logits: StepLogits | None = None
     mode: SamplerMode = FULL_MODE
+    mask: object = None  # its grammar masks: an array, or a future of the grammar thread
 
 
 class Engine:
@@ -187,6 +189,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._grammar_lock = threading.Lock()
         self.masks = MaskBuilder(cfg.vocab_size)
+        self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="splash-grammar")
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
@@ -371,8 +374,8 @@ class Engine:
         if done is not None and done is not dispatched:
             outputs += self._complete(done, back_to_back)  # the previous step: its tokens advance the grammars
         if dispatched is not None and dispatched.logits is not None and self.num_step_failures == failures:
-            self._sample_deferred(dispatched)
-        if done is not None and done is dispatched and done.result is not None:
+            self._start_masks(dispatched)  # sampled at the next dispatch (or at once without overlap)
+        if done is not None and done is dispatched:
             outputs += self._complete(done, back_to_back)
         t4 = time.perf_counter()
         self.last_step_ms = {"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
@@ -445,6 +448,11 @@ class Engine:
             if not chunks:
                 return None
             bucket, expanded, packed = self._pack(chunks)
+        previous = self._inflight
+        if previous is not None and previous.logits is not None:
+            self._sample_deferred(previous)  # its tokens feed this step (its masks filled meanwhile)
+            if previous.result is None:
+                return None  # its sampling failed: _recover requeued every running request
         move = self.switcher.step_moves() if self.switcher is not None else None
         if expanded and move is not None:  # moving programs have no expanded variant
             bucket, expanded, packed = self._pack(chunks, expand=False)
@@ -478,25 +486,37 @@ class Engine:
             return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode)
         return InFlight(chunks, packed.rows, out, want, packed.prompt_rows)
 
-    def _sample_deferred(self, step: InFlight) -> None:
-        """Sample a step whose forward pass was dispatched ahead of its grammar masks: fill the
-        constrained rows' masks from their grammars (advanced by every token the host has) and
-        dispatch the sampler program, before the next step's forward pass reads its tokens."""
+    def _start_masks(self, step: InFlight) -> None:
+        """Fill a deferred step's grammar masks from the grammars as the host has them now (every
+        earlier token consumed): on the grammar thread with overlapped scheduling, so the next
+        step's scheduling and packing run beside it."""
+        rows = step.logits.logits.shape[0]
         matchers = [(c.request.grammar, row) for c, row in zip((c for c in step.chunks if c.samples), step.rows)
                     if c.request.grammar is not None and not c.request.is_finished]
-        mask = self.masks.fill(step.logits.logits.shape[0], matchers)
+        if self.config.overlap_scheduling:
+            step.mask = self._grammar_thread.submit(self.masks.fill, rows, matchers)
+        else:
+            step.mask = self.masks.fill(rows, matchers)
+
+    def _sample_deferred(self, step: InFlight) -> None:
+        """Dispatch the sampler program of a step whose forward pass went ahead of its grammar
+        masks; before the next step's forward pass, which reads its tokens."""
+        if step.mask is None:
+            self._start_masks(step)
+        mask = step.mask.result() if hasattr(step.mask, "result") else step.mask
+        logits, step.logits, step.mask = step.logits, None, None
         try:
-            step.result = self.executor.sample(step.logits, step.mode, mask)
+            step.result = self.executor.sample(logits, step.mode, mask)
         except Exception as e:  # noqa: BLE001 - the sampler failed on the device
-            step.logits = None
             self._recover(e, step.chunks)
             return
-        step.logits = None
         step.result.tokens.copy_to_host_async()
 
     def _complete(self, step: InFlight, back_to_back: bool = False) -> list[RequestOutput]:
         """Read back a dispatched step and apply its tokens (stops, finishes, output deltas).
         back_to_back: the previous step() completed a step too (its interval is a cadence)."""
+        if step.logits is not None:
+            self._sample_deferred(step)
         if step.result is None:  # its deferred sampling failed: _recover already requeued its requests
             return []
         try:
