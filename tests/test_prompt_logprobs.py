@@ -28,7 +28,8 @@ def reference(ids: list[int], k: int) -> tuple[list[float], list[dict[int, float
 
 def engine(**kw) -> Engine:
     args = dict(model=str(FIXTURE), num_devices=1, max_num_seqs=16, max_num_batched_tokens=64, page_size=8,
-                max_pages=256, max_model_len=64, warmup=False, attention_impl="xla", dtype="float32")
+                max_pages=256, max_model_len=64, warmup=False, attention_impl="xla", dtype="float32",
+                compile_cache_dir=None)
     return Engine(EngineConfig(**{**args, **kw}))
 
 

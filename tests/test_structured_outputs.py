@@ -18,7 +18,7 @@ from splash_jax.engine.request import RequestError
 from splash_jax.structured import StructuredOutputs
 
 ARGS = dict(model="", num_devices=1, max_num_seqs=64, max_num_batched_tokens=128, page_size=16, max_pages=2048,
-            max_model_len=512)
+            max_model_len=512, compile_cache_dir=None)
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +151,16 @@ def test_grammars_are_compiled_once_per_schema(engine):
     for _ in range(5):
         engine.make_request("x", SamplingParams(structured_outputs=StructuredOutputs(json=dict(schema))))
     assert compiler.num_compiled == before + 1
+
+
+def test_a_grammar_dead_end_finishes_only_its_request_with_a_reason(engine):
+    """The grammar allows one token and min_tokens suppresses it (it is a stop token): no token is
+    allowed, the sampled one is rejected, and that request ends with an error that says so."""
+    (only,) = engine.tokenizer.encode("y")
+    stuck = SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=[only],
+                           structured_outputs=StructuredOutputs(choice=["y"]))
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    alone = engine.generate(["fine"], [plain])[0]
+    outs = engine.generate(["stuck", "fine"], [stuck, plain])
+    assert outs[0].finish_reason == "error" and "grammar cannot continue" in outs[0].error, outs[0]
+    assert outs[1].token_ids == alone.token_ids and outs[1].finish_reason == "length"

@@ -15,7 +15,6 @@ step it just dispatched; both give identical outputs.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import gc
 import itertools
@@ -32,13 +31,16 @@ from jax.sharding import NamedSharding
 from splash_jax import distributed
 from splash_jax.attention.expanded import min_chunk_tokens, worth_expanding
 from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import StepExecutor, StepLogits, StepResult
+from splash_jax.engine.executor import StepExecutor
+from splash_jax.engine.engine_stats import engine_stats
+from splash_jax.engine.inflight import GrammarMasks, InFlight, collect_prompt_logprobs
 from splash_jax.engine.output_processor import OutputProcessor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
-from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, needs_full
+from splash_jax.engine.sampler import FULL_MODE, SamplerMode, SamplerWidths, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.engine.step_timeline import StepTimeline
+from splash_jax.engine.warmup import run_every_program_once
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.capacity import (
     bytes_per_page,
@@ -67,20 +69,6 @@ def enable_compilation_cache(path: str | None) -> None:
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-@dataclasses.dataclass
-class InFlight:
-    """A dispatched step whose tokens have not been read back yet."""
-
-    chunks: list[ScheduledChunk]
-    rows: list[int]  # output row of each sampling chunk
-    result: StepResult | None  # None while its sampling waits for grammar masks (`logits` holds the forward pass)
-    want_logprobs: bool
-    prompt_rows: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (chunk, first row, count)
-    logits: StepLogits | None = None
-    mode: SamplerMode = FULL_MODE
-    mask: object = None  # its grammar masks: an array, or a future of the grammar thread
 
 
 class Engine:
@@ -188,8 +176,8 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer)
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._grammar_lock = threading.Lock()
-        self.masks = MaskBuilder(cfg.vocab_size)
-        self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="splash-grammar")
+        self.masks = MaskBuilder(cfg.vocab_size)  # host time it spent: masks.summary()
+        self.grammar_masks = GrammarMasks(self.masks)
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
@@ -282,58 +270,8 @@ class Engine:
 
     # --- one step ------------------------------------------------------------------------
     def run_every_program_once(self, full_sampler: bool = True) -> int:
-        """Execute each compiled step program once on an all-padding step (no request; padding
-        rows write no page a request owns), in every layout when switching, and end in the layout
-        the engine started in. Returns the number of programs run. Only while idle; the start-up
-        switches it makes are not counted in the switch history. full_sampler=False: the greedy
-        programs only (a caller that compiled only those). The count includes the sampler programs."""
-        if self.scheduler.running or self.scheduler.waiting or self._inflight is not None:
-            raise RuntimeError("run_every_program_once needs an idle engine")
-        start, t0, count, samplers = self.layout.name, time.perf_counter(), 0, set()
-        history = list(self.switcher.history) if self.switcher is not None else []
-        # One device: every layout runs TP's programs (StepExecutor.program_layout), so one pass does.
-        others = [n for n in LAYOUT_NAMES if n != start] if self.switcher is not None and self.n > 1 else []
-        policy, self.policy = self.policy, None  # no policy decision between these switches
-        try:
-            for name in [start] + others:
-                self._switch_while_idle(name)
-                ex = self.executor
-                if self.switcher is not None:
-                    self.switcher.run_mover_once()
-                    count += 1
-                moves = [None] + ([self.switcher.empty_moves()] if self.switcher is not None and ex.move_pages else [])
-                for bucket in ex.buckets(self.layout):
-                    for expanded in (False, True) if ex.expands(self.layout, bucket) else (False,):
-                        packed = pack_step(ex.shape(self.layout, bucket, expanded), [], self.scheduler.tables,
-                                           self.slot_sampling, self.config.page_size)
-                        for move in moves if not expanded else [None]:
-                            for full in (False, True) if full_sampler else (False,):
-                                # a full step once per sampler mode, so every sampler program runs too
-                                for mode in SAMPLER_MODES if full else (FULL_MODE,):  # greedy: no sampler program
-                                    ex.run(bucket, packed.rep, packed.dev, move, full, expanded, mode)
-                                    if full:
-                                        samplers.add((ex.shape(self.layout, bucket, expanded).rows, mode))
-                                count += 1
-            self._switch_while_idle(start)
-            count += len(samplers)
-        finally:
-            self.policy = policy
-        jax.block_until_ready(self.executor.pool)
-        self.executor.reset_sampling_state()  # padding rows leave no history or pending tokens behind
-        if self.switcher is not None:
-            self.switcher.history[:] = history
-        log.info("ran %d step programs once each in %.1fs (first-run costs paid at start-up)", count,
-                 time.perf_counter() - t0)
-        return count
-
-    def _switch_while_idle(self, name: str) -> None:
-        if name == self.layout.name:
-            return
-        handle = self.switch_layout(name)
-        while not handle.done:
-            self.step()  # idle: the handoff happens at this batch boundary
-        if handle.state.value != "done":
-            raise RuntimeError(f"switch to {name} while idle did not finish: {handle.state.value} ({handle.reason})")
+        """Run each compiled program once on an all-padding step (engine/warmup.py)."""
+        return run_every_program_once(self, full_sampler)
 
     def switch_layout(self, dst: str, preempt: bool = False):
         """Start a live switch to layout `dst` (non-blocking); returns a handle with progress.
@@ -374,7 +312,9 @@ class Engine:
         if done is not None and done is not dispatched:
             outputs += self._complete(done, back_to_back)  # the previous step: its tokens advance the grammars
         if dispatched is not None and dispatched.logits is not None and self.num_step_failures == failures:
-            self._start_masks(dispatched)  # sampled at the next dispatch (or at once without overlap)
+            # its masks fill on the grammar thread; it is sampled at the next dispatch (or at once
+            # without overlap), before the forward pass that reads its tokens
+            self.grammar_masks.start(dispatched, threaded=self.config.overlap_scheduling)
         if done is not None and done is dispatched:
             outputs += self._complete(done, back_to_back)
         t4 = time.perf_counter()
@@ -486,25 +426,11 @@ class Engine:
             return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode)
         return InFlight(chunks, packed.rows, out, want, packed.prompt_rows)
 
-    def _start_masks(self, step: InFlight) -> None:
-        """Fill a deferred step's grammar masks from the grammars as the host has them now (every
-        earlier token consumed): on the grammar thread with overlapped scheduling, so the next
-        step's scheduling and packing run beside it."""
-        rows = step.logits.logits.shape[0]
-        matchers = [(c.request.grammar, row) for c, row in zip((c for c in step.chunks if c.samples), step.rows)
-                    if c.request.grammar is not None and not c.request.is_finished]
-        if self.config.overlap_scheduling:
-            step.mask = self._grammar_thread.submit(self.masks.fill, rows, matchers)
-        else:
-            step.mask = self.masks.fill(rows, matchers)
-
     def _sample_deferred(self, step: InFlight) -> None:
         """Dispatch the sampler program of a step whose forward pass went ahead of its grammar
         masks; before the next step's forward pass, which reads its tokens."""
-        if step.mask is None:
-            self._start_masks(step)
-        mask = step.mask.result() if hasattr(step.mask, "result") else step.mask
-        logits, step.logits, step.mask = step.logits, None, None
+        mask = self.grammar_masks.take(step)
+        logits, step.logits = step.logits, None
         try:
             step.result = self.executor.sample(logits, step.mode, mask)
         except Exception as e:  # noqa: BLE001 - the sampler failed on the device
@@ -646,54 +572,9 @@ class Engine:
             self.head_sharded_bytes,
         )
 
-    def _prefix_cache_stats(self) -> dict:
-        cache = self.scheduler.cache
-        if cache is None:
-            return {"enabled": False, **self.scheduler.cache_stats.as_dict(), "cached_pages": 0,
-                    "evictions": self.allocator.num_evictions, "nodes": 0}
-        return {"enabled": True, **cache.summary()}
-
     def stats(self) -> dict:
-        usage = self.allocator.usage()
-        window = [t for t in self._recent if t[0] > time.monotonic() - 10]
-        span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "pages_total": sum(u.total_pages for u in usage),
-            "pages_used": sum(u.used_pages for u in usage),
-            "tokens_used": sum(u.used_pages for u in usage) * self.config.page_size,
-            "kv_capacity_tokens": self.kv_capacity_tokens(),
-            "per_device": [u.__dict__ for u in usage],
-            "generation_tokens_per_s": (sum(n for _, n in window[1:]) / span) if span > 0 else 0.0,
-            "num_steps": self.num_steps,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache": self._prefix_cache_stats(),
-            "layout": self.layout.name,
-            "switch": self.switcher.active[0].as_dict() if self.switcher and self.switcher.active else None,
-            "switches": len([h for h in self.switcher.history if h.state.value == "done"]) if self.switcher else 0,
-            "switch_metrics": self.switcher.metrics() if self.switcher else None,
-            "policy": self.policy.summary() if self.policy else None,
-            "num_devices": self.n,
-            "overlap_scheduling": self.config.overlap_scheduling,
-            "step_failures": self.num_step_failures,
-            "compiled_programs": self.executor.num_compiled,
-            "compile_seconds": round(self.executor.compile_seconds, 2),
-            "compile": self.executor.compile_stats.summary(),  # start-up compiles: programs, seconds, cache hits
-            "step_intervals": self.timeline.summary(),  # cadence by step kind (engine/step_timeline.py)
-        }
-
-
-def collect_prompt_logprobs(request: Request, logprobs, first: int, count: int) -> None:
-    """Append a step's prompt-logprob rows [first, first + count) to the request's entries."""
-    if request.is_finished or not count:
-        return
-    chosen, top_ids, top_lp = logprobs
-    request.prompt_lps += chosen[first : first + count].tolist()
-    k = request.params.prompt_logprobs
-    if k:
-        request.prompt_tops += [dict(zip(i[:k].tolist(), v[:k].tolist())) for i, v in
-                                zip(top_ids[first : first + count], top_lp[first : first + count])]
+        """Counters and gauges for dashboards and notebooks (engine/engine_stats.py)."""
+        return engine_stats(self)
 
 
 def _checkpoint_is_fp8(path: Path) -> bool:

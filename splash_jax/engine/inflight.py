@@ -1,0 +1,65 @@
+"""A dispatched step until its tokens are read back, and the two things such a step may still owe:
+the sampling of its grammar rows (their masks need the previous step's tokens) and the prompt
+logprobs its prefill rows carried (docs/structured_outputs.md)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import numpy as np
+
+from splash_jax.engine.executor import StepLogits, StepResult
+from splash_jax.engine.request import Request
+from splash_jax.engine.sampler import FULL_MODE, SamplerMode
+from splash_jax.engine.scheduler import ScheduledChunk
+from splash_jax.structured.masks import MaskBuilder
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step whose tokens have not been read back yet."""
+
+    chunks: list[ScheduledChunk]
+    rows: list[int]  # output row of each sampling chunk
+    result: StepResult | None  # None while its sampling waits for grammar masks (`logits` holds the forward pass)
+    want_logprobs: bool
+    prompt_rows: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (chunk, first row, count)
+    logits: StepLogits | None = None
+    mode: SamplerMode = FULL_MODE
+    mask: np.ndarray | concurrent.futures.Future | None = None  # its grammar masks, or their fill in progress
+
+
+class GrammarMasks:
+    """Fills the masks of a step's grammar rows from their grammars as the host has them: on its
+    own thread when the caller overlaps (llguidance releases the GIL, so the engine thread
+    schedules and packs the next step meanwhile), else at once."""
+
+    def __init__(self, builder: MaskBuilder):
+        self.builder = builder
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="splash-grammar")
+
+    def start(self, step: InFlight, threaded: bool) -> None:
+        rows = step.logits.logits.shape[0]
+        matchers = [(c.request.grammar, row) for c, row in zip((c for c in step.chunks if c.samples), step.rows)
+                    if c.request.grammar is not None and not c.request.is_finished]
+        step.mask = self._thread.submit(self.builder.fill, rows, matchers) if threaded else self.builder.fill(rows, matchers)
+
+    def take(self, step: InFlight) -> np.ndarray:
+        """The step's masks (waiting for their fill), handed over once."""
+        if step.mask is None:
+            self.start(step, threaded=False)
+        mask, step.mask = step.mask, None
+        return mask.result() if isinstance(mask, concurrent.futures.Future) else mask
+
+
+def collect_prompt_logprobs(request: Request, logprobs, first: int, count: int) -> None:
+    """Append a step's prompt-logprob rows [first, first + count) to the request's entries."""
+    if request.is_finished or not count:
+        return
+    chosen, top_ids, top_lp = logprobs
+    request.prompt_lps += chosen[first : first + count].tolist()
+    k = request.params.prompt_logprobs
+    if k:
+        request.prompt_tops += [dict(zip(i[:k].tolist(), v[:k].tolist())) for i, v in
+                                zip(top_ids[first : first + count], top_lp[first : first + count])]
