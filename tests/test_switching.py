@@ -3,6 +3,7 @@ switches finish within a step, memory returns to the destination's steady state,
 preemption and cancellation leave the engine consistent."""
 
 import gc
+import json
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from splash_jax.compile_guard import count_compiles
 from splash_jax.engine.request import accumulate
+from splash_jax.structured import StructuredOutputs
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.mesh.layouts import LAYOUT_NAMES, get_layout
 from splash_jax.switch.controller import SwitchState
@@ -673,3 +675,34 @@ def test_a_page_several_requests_share_is_copied_once_per_device(engine, shared_
     assert on["pages_copied"] + on["pages_copy_shared_by"] >= off["pages_copied"] - 3 * (N - 1)  # same pages needed
     assert on["pages_copied"] < off["pages_copied"], (on, off)
     engine.allocator.check_invariants()
+
+
+def _constrained_run(engine, switches=None):
+    """JSON-schema rows sampled at temperature 1 and a prompt-logprob row, with the given switches
+    started one after another as the previous finishes."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                "tag": {"type": "string", "maxLength": 6}}, "required": ["n", "tag"],
+              "additionalProperties": False}
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs=StructuredOutputs(json=schema))
+              for s in range(3)] + [SamplingParams(max_tokens=6, prompt_logprobs=2)]
+    for p, prompt in zip(params, PROMPTS):
+        engine.add_request(prompt, p)
+    queue, acc, handles = list(switches or []), {}, []
+    while engine.has_work() or queue:
+        if queue and engine.switcher.active is None:
+            handles.append(engine.switch_layout(queue.pop(0)))
+        accumulate(acc, engine.step())
+    return sorted(acc.values(), key=lambda o: int(o.request_id.split("-")[1])), handles
+
+
+def test_structured_outputs_and_prompt_logprobs_across_live_switches(engine):
+    _settle_in(engine, "tp")
+    want, _ = _constrained_run(engine)
+    with count_compiles() as compiles:
+        got, handles = _constrained_run(engine, ["dop", "cp", "dp", "tp"])
+    assert compiles.count == 0, compiles.events
+    assert all(h.state == SwitchState.DONE for h in handles), [h.as_dict() for h in handles]
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids and a.text == b.text
+    assert got[3].prompt_logprobs == pytest.approx(want[3].prompt_logprobs, abs=1e-5)
+    assert all(json.loads(o.text) for o in got[:3])
