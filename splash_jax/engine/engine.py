@@ -57,7 +57,6 @@ from splash_jax.model import RuntimeOptions
 from splash_jax.model_config import ModelConfig
 from splash_jax.paths import DEFAULT_MODEL
 from splash_jax.switch.migration import in_step_chunk_pages
-from splash_jax.structured.grammar import GrammarCompiler
 from splash_jax.structured.masks import MaskBuilder
 from splash_jax.tokenizer import Tokenizer
 from splash_jax.weights.loader import load_model
@@ -174,7 +173,7 @@ class Engine:
             self.policy = TransitionAwarePolicy(self, config.policy)
 
         self.outputs = OutputProcessor(tokenizer)
-        self._grammars: GrammarCompiler | None = None  # built on the first structured request
+        self._grammars = None  # GrammarCompiler, built on the first structured request
         self._grammar_lock = threading.Lock()
         self.masks = MaskBuilder(cfg.vocab_size)  # host time it spent: masks.summary()
         self.grammar_masks = GrammarMasks(self.masks)
@@ -235,8 +234,11 @@ class Engine:
         return Request(rid, ids, params, prompt_text=text, sample_seed=seed, cache_salt=cache_salt or None, grammar=grammar)
 
     @property
-    def grammars(self) -> GrammarCompiler:
-        """The structured-output compiler (llguidance's tables of this tokenizer), built once."""
+    def grammars(self):
+        """The structured-output compiler (structured/grammar.py: llguidance's tables of this
+        tokenizer), built on the first structured request."""
+        from splash_jax.structured.grammar import GrammarCompiler  # llguidance: imported only when used
+
         with self._grammar_lock:
             if self._grammars is None:
                 if self.tokenizer is None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import time
 
-import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
 
 
 def mask_words(vocab_size: int) -> int:
@@ -21,7 +19,8 @@ def mask_words(vocab_size: int) -> int:
 class MaskBuilder:
     def __init__(self, vocab_size: int, threads: int | None = None):
         self.words = mask_words(vocab_size)
-        self.executor = llguidance.LLExecutor(threads)
+        self.threads = threads
+        self._executor = None  # llguidance's thread pool, made on the first fill
         self.seconds = 0.0  # host time spent filling masks (stats: grammar host time per step)
         self.num_fills = 0
         self.num_rows = 0
@@ -29,12 +28,17 @@ class MaskBuilder:
     def open(self, rows: int) -> np.ndarray:
         return np.full((rows, self.words), -1, np.int32)
 
-    def fill(self, rows: int, matchers: list[tuple[llguidance.LLMatcher, int]]) -> np.ndarray:
+    def fill(self, rows: int, matchers: list) -> np.ndarray:
         """The [rows, words] mask with each (matcher, row) filled from its grammar's state."""
         t = time.perf_counter()
         mask = self.open(rows)
         if matchers:
-            fill_next_token_bitmask_par(self.executor, matchers, mask)
+            import llguidance  # only structured outputs need it
+            from llguidance.numpy import fill_next_token_bitmask_par
+
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(self.threads)
+            fill_next_token_bitmask_par(self._executor, matchers, mask)
         self.seconds += time.perf_counter() - t
         self.num_fills += 1
         self.num_rows += len(matchers)
