@@ -17,7 +17,7 @@ from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.engine.request import RequestError
 from splash_jax.structured import StructuredOutputs
 
-ARGS = dict(model="", num_devices=1, max_num_seqs=64, max_num_batched_tokens=128, page_size=16, max_pages=2048,
+ARGS = dict(model="", num_devices=1, max_num_seqs=64, max_num_batched_tokens=64, min_token_bucket=64, page_size=16, max_pages=2048,
             max_model_len=512, compile_cache_dir=None)
 
 
