@@ -71,6 +71,12 @@ class EngineStatsCollector(Collector):
         yield self._counter("splash_prefix_cache_hits", "Prompt tokens found in the prefix cache", cache.get("hits"))
         yield self._counter("splash_prefix_cache_evictions", "Pages evicted from the prefix cache", cache.get("evictions"))
         yield _gauge("splash_prefix_cache_pages", "KV pages the prefix cache holds", cache.get("cached_pages", 0))
+        grammar = s.get("structured_outputs") or {}  # absent: an engine without structured outputs (zeros)
+        yield self._counter("splash_grammar_mask_fills", "Steps whose grammar rows got token masks", grammar.get("mask_fills"))
+        yield self._counter("splash_grammar_constrained_rows", "Logits rows sampled under a grammar mask",
+                            grammar.get("constrained_rows"))
+        yield self._counter("splash_grammar_mask_seconds", "Host seconds spent filling grammar masks (on the grammar thread)",
+                            grammar.get("mask_seconds"))
         switch = s.get("switch") or {}
         yield _gauge("splash_layout_switch_in_progress", "1 while a layout switch migrates", float(bool(switch)))
         yield _gauge("splash_layout_switch_progress", "Fraction of the switch's pages copied", float(switch.get("progress", 0.0)))

@@ -82,6 +82,19 @@ def test_json_object_regex_and_choice_on_both_endpoints(served):
         return obj, rx, choice, text
 
     obj, rx, choice, streamed = run(app, fn)
+
+    async def metrics(_, http):
+        for _ in range(50):  # the engine's stats snapshot refreshes every 0.25 s
+            text = (await http.get("/metrics")).text
+            if re.search(r"^splash_grammar_mask_fills_total [1-9]", text, re.M):
+                return text
+            await asyncio.sleep(0.1)
+        return text
+
+    text = run(app, metrics)
+    for name in ("splash_grammar_mask_fills_total", "splash_grammar_constrained_rows_total", "splash_grammar_mask_seconds_total"):
+        assert re.search(rf"^{name} [0-9.e+-]+$", text, re.M), name
+    assert re.search(r"^splash_grammar_mask_fills_total [1-9]", text, re.M), text[-2000:]
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
     assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", rx.choices[0].text) and rx.choices[0].finish_reason == "stop"
     assert choice.choices[0].text in ("left", "right")

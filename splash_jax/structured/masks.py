@@ -45,7 +45,7 @@ class MaskBuilder:
         return mask
 
     def summary(self) -> dict:
-        return {"mask_fills": self.num_fills, "constrained_rows": self.num_rows,
+        return {"mask_fills": self.num_fills, "constrained_rows": self.num_rows, "mask_seconds": self.seconds,
                 "mask_ms_per_fill": round(1e3 * self.seconds / self.num_fills, 4) if self.num_fills else 0.0}
 
 
