@@ -158,7 +158,14 @@ def check_chat(ctx, body: ChatCompletionRequest) -> None:
 def structured_outputs_of(ctx, body: SamplingFields) -> tuple[StructuredOutputs | None, str]:
     """The request's output constraint and the field it came from (for 400s): response_format,
     structured_outputs, or vLLM's older guided_* fields. Bounded work: sizes are checked here;
-    the grammar compiles later, on a tokenizer thread (Engine.make_request)."""
+    the grammar compiles later, on a tokenizer thread (Engine.make_request). Computed once per
+    body (admission checks, error names and the sampling parameters all ask)."""
+    if body._constraint is None:
+        body._constraint = _constraint_of(ctx, body)
+    return body._constraint
+
+
+def _constraint_of(ctx, body: SamplingFields) -> tuple[StructuredOutputs | None, str]:
     found: list[tuple[str, StructuredOutputs]] = []
     rf = body.response_format
     if rf is not None:

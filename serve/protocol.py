@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 
 class _Body(BaseModel):
@@ -106,6 +106,7 @@ class SamplingFields(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob plus the top-n (vLLM's extra)
+    _constraint: tuple | None = PrivateAttr(default=None)  # serve.params.structured_outputs_of, computed once
 
 
 # --- /v1/completions -------------------------------------------------------------------

@@ -66,8 +66,7 @@ class Follower:
         try:
             inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"])
             out = self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"], cmd.fields.get("expanded", False),
-                              SamplerMode(**cmd.fields.get("mode", {})), global_mask(self.ex, a.get("mask")),
-                              cmd.fields.get("defer", False))
+                              SamplerMode(**cmd.fields.get("mode", {})), cmd.fields.get("defer", False))
             self.deferred = out if cmd.fields.get("defer", False) else None
         except Exception as e:  # noqa: BLE001 - process 0 sees the same failure and sends `reset`
             log.warning("mirrored step failed (%s: %s); waiting for process 0's recovery", type(e).__name__, e)

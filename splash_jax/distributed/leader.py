@@ -89,14 +89,13 @@ class LeaderExecutor:
         setattr(self._inner, name, value)
 
     def run(self, bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
-            expanded: bool = False, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None, defer: bool = False):
+            expanded: bool = False, mode: SamplerMode = FULL_MODE, defer: bool = False):
         self._channel.send(Command(
             "step", {"bucket": dataclasses.asdict(bucket), "full": bool(full), "expanded": bool(expanded),
                      "mode": dataclasses.asdict(mode), "defer": bool(defer), "t": time.time()},
-            {"rep": rep, "dev": dev, "move": move, "mask": mask},
+            {"rep": rep, "dev": dev, "move": move},
         ))
-        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full, expanded, mode,
-                               global_mask(self._inner, mask), defer)
+        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full, expanded, mode, defer)
 
     def sample(self, step, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None):
         self._channel.send(Command("sample", {"mode": dataclasses.asdict(mode)}, {"mask": mask}))

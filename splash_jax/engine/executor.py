@@ -522,15 +522,14 @@ class StepExecutor:
     # --- running --------------------------------------------------------------------------
     def run(
         self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
-        expanded: bool = False, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None, defer: bool = False,
+        expanded: bool = False, mode: SamplerMode = FULL_MODE, defer: bool = False,
     ) -> StepResult | StepLogits:
         """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced.
         full: the sampler with random draws, logprobs, penalties and grammar masks
         (sampler.needs_full), then a sampler program for `mode` (what the step's rows ask for
-        beyond that) after the step's. mask: [rows, ceil(V/32)] int32 token masks (None: all
-        allowed). defer (full only): dispatch the forward pass alone and return its StepLogits;
-        `sample()` runs the sampler later (once the host knows the grammar masks), before the
-        next step. expanded: the program with a prefill_span (packed with `shape(..., expanded=True)`)."""
+        beyond that) after the step's, with every token allowed. defer (full only): dispatch the
+        forward pass alone and return its StepLogits; `sample()` runs the sampler later, with the
+        grammar masks the host fills meanwhile, before the next step. expanded: the program with a prefill_span (packed with `shape(..., expanded=True)`)."""
         if expanded and move is not None:
             raise ValueError("a step that moves pages has no expanded-prefill program")
         if defer and not full:
@@ -542,11 +541,11 @@ class StepExecutor:
         out, self.kv, self.penalties = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)
         if defer:
             return out
-        return self.sample(out, mode, mask) if full else self._sampled(out)
+        return self.sample(out, mode) if full else self._sampled(out)
 
     def sample(self, step: StepLogits, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None) -> StepResult:
         """The sampler program on a full step's logits (deferred by `run(defer=True)`); its tokens
-        feed the next step."""
+        feed the next step. mask: [rows, ceil(V/32)] int32 token masks (None: every token allowed)."""
         rows = step.logits.shape[0]
         mask = self.open_mask(rows) if mask is None else jax.device_put(mask, self.replicated)
         return self._sampled(self.sampler_program(rows, mode)(step, self.penalties, mask))

@@ -62,13 +62,6 @@ class ScheduledChunk:
         return self.end - self.lp_start if self.lp_start >= 0 else 1
 
 
-def logits_rows(request: Request, start: int, n: int) -> int:
-    """Logits rows a chunk of n positions from `start` needs (the rule `_take` applies)."""
-    if request.wants_prompt_logprobs:
-        return max(1, start + n - max(start, request.prompt_lp_next))
-    return 1
-
-
 def cap_to_rows(request: Request, start: int, n: int, rows_left: int) -> int:
     """The longest chunk (<= n) whose logits rows fit in rows_left (>= 1)."""
     if request.wants_prompt_logprobs:
@@ -213,16 +206,14 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return SchedulerOutput(chunks, preempted)
 
-    def _admit(self, request: Request, budget: int, rows: int | None = None) -> int | None:
+    def _admit(self, request: Request, budget: int, rows: int) -> int | None:
         """Admit `request` with its cached prefix: the tokens of its first chunk, 0 if it waits for
         a block another request is computing, None if it does not fit now (nothing changed).
         A request still owed prompt logprobs computes its whole prompt (their logits are needed)."""
         cache, size = self.cache, self.page_size
         chain, hit = [], 0
         limit = (request.num_tokens - 1) // size  # its last token is always computed
-        if cache is not None and request.wants_prompt_logprobs:
-            request.owner = self.least_loaded_device()
-        elif cache is not None:
+        if cache is not None and not request.wants_prompt_logprobs:
             chain = cache.chain(request, limit)
             request.owner = self.choose_owner(chain, request)
             hit = cache.hits(chain, self.placement, request.owner)
@@ -233,7 +224,7 @@ class Scheduler:
             request.owner = self.least_loaded_device()
         computed = hit * size
         remaining = request.num_tokens - computed
-        n = cap_to_rows(request, computed, min(remaining, budget), self.max_num_seqs if rows is None else rows)
+        n = cap_to_rows(request, computed, min(remaining, budget), rows)
         if not self.enable_chunked_prefill and n < remaining:
             return None
         request.slot = self._free_slots.pop()
@@ -260,8 +251,8 @@ class Scheduler:
 
     def cached_prefix(self, request: Request) -> int:
         """Tokens of a waiting request's prompt admission would find cached now (the policy prices
-        only the rest); 0 without a cache."""
-        if self.cache is None:
+        only the rest); 0 without a cache, or for a request owed prompt logprobs (it computes them all)."""
+        if self.cache is None or request.wants_prompt_logprobs:
             return 0
         chain = self.cache.chain(request, (request.num_tokens - 1) // self.page_size)
         if not chain:

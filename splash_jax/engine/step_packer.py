@@ -237,9 +237,9 @@ def pack_step(
         logits_index[: len(gslot)] = gslot
     else:
         logits_index[row] = base + lengths - 1
-        for i, c in enumerate(chunks):  # prompt logprobs: row r of position p scores prompt token p + 1
-            if c.lp_start < 0:
-                continue
+        lp_start = np.fromiter((c.lp_start for c in chunks), np.int64, num)
+        for i in np.flatnonzero(lp_start >= 0):  # prompt logprobs: row r of position p scores prompt token p + 1
+            c = chunks[i]
             first = row[i] - nrows[i] + 1
             logits_index[first : row[i] + 1] = base[i] + (c.lp_start - c.start) + np.arange(nrows[i])
             prompt = c.request.prompt_ids

@@ -48,8 +48,3 @@ class MaskBuilder:
         return {"mask_fills": self.num_fills, "constrained_rows": self.num_rows, "mask_seconds": self.seconds,
                 "mask_ms_per_fill": round(1e3 * self.seconds / self.num_fills, 4) if self.num_fills else 0.0}
 
-
-def allowed(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Token ids a mask row allows (tests, dead-end checks)."""
-    bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")[:vocab_size]
-    return np.flatnonzero(bits)
