@@ -76,3 +76,21 @@ def table(rows: list[dict], columns: list[str]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def parse_engine_and_bench(doc: str, bench_cls, argv=None, group: str = "benchmark"):
+    """-> (bench config, EngineConfig) from one command line: every engine flag plus the fields of
+    `bench_cls` (a dataclass); also sets up logging as the benchmarks log."""
+    import argparse
+    import dataclasses
+
+    from splash_jax.engine import EngineConfig
+    from splash_jax.engine.config import add_dataclass_args
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineConfig.add_cli_args(p)
+    add_dataclass_args(p.add_argument_group(group), bench_cls)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    bench = bench_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(bench_cls)})
+    return bench, EngineConfig.from_cli_args(args)

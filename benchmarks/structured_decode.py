@@ -19,7 +19,6 @@ the shape's when larger. Prints a table and writes JSON to benchmarks/results/.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -30,12 +29,11 @@ from pathlib import Path
 import llguidance
 import numpy as np
 
-from benchmarks.common import percentiles, table, write_results
+from benchmarks.common import parse_engine_and_bench, percentiles, table, write_results
 from benchmarks.harness import clear
 from benchmarks.profiling import device_busy
 from benchmarks.shapes import shape_folder
-from splash_jax.engine import Engine, EngineConfig, SamplingParams
-from splash_jax.engine.config import add_dataclass_args
+from splash_jax.engine import Engine, SamplingParams
 from splash_jax.structured import StructuredOutputs
 
 log = logging.getLogger("benchmarks.structured_decode")
@@ -155,13 +153,7 @@ def measure(engine: Engine, c: BenchConfig, fraction: float) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    EngineConfig.add_cli_args(p)
-    add_dataclass_args(p.add_argument_group("benchmark"), BenchConfig)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    c = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
-    config = EngineConfig.from_cli_args(args)
+    c, config = parse_engine_and_bench(__doc__, BenchConfig, argv, "benchmark")
     if c.shape:
         config.model, config.load_format = str(model_folder(c)), "dummy"
     engine = Engine(config)

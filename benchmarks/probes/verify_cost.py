@@ -16,17 +16,15 @@ exceeds its cost ratio: the break-even a is printed. Writes JSON to benchmarks/r
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 
 import numpy as np
 
-from benchmarks.common import table, write_results
+from benchmarks.common import parse_engine_and_bench, table, write_results
 from benchmarks.profiling import device_busy
 from benchmarks.shapes import shape_folder
-from splash_jax.engine import Engine, EngineConfig, SamplingParams
-from splash_jax.engine.config import add_dataclass_args
+from splash_jax.engine import Engine, SamplingParams
 
 log = logging.getLogger("benchmarks.probes.verify_cost")
 
@@ -69,13 +67,7 @@ def one_step(engine: Engine, batch: int, k: int, context: int, rng) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    EngineConfig.add_cli_args(p)
-    add_dataclass_args(p.add_argument_group("probe"), ProbeConfig)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    c = ProbeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ProbeConfig)})
-    config = EngineConfig.from_cli_args(args)
+    c, config = parse_engine_and_bench(__doc__, ProbeConfig, argv, "probe")
     config.model = str(shape_folder(c.shape, **({"num_hidden_layers": c.num_layers} if c.num_layers else {})))
     config.load_format, config.overlap_scheduling = "dummy", False
     engine = Engine(config)
