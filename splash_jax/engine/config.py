@@ -74,6 +74,14 @@ class EngineConfig:
     # planned requests begin while the rest are planned): bounds the host time of any boundary.
     switch_plan_pages: int = 1024
     overlap_scheduling: bool = True  # dispatch step k+1 before step k's tokens reach the host
+    # Speculative decoding: off | ngram (drafts from the request's own prompt and output, prompt
+    # lookup; no model). Verified exactly in one step of the target model (engine/speculative.py):
+    # greedy outputs are those of decoding one token per step, sampled ones follow the target
+    # distribution. Steps then run without overlap (drafting needs every token on the host).
+    speculative_method: str = "off"
+    speculative_tokens: int = 3  # K: drafts verified per request per step
+    speculative_ngram_min: int = 1  # ngram: shortest suffix n-gram matched
+    speculative_ngram_max: int = 4  # ngram: longest suffix n-gram matched (tried first)
     max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
     max_logit_bias: int = 64  # logit_bias entries per request; fixes the sampler's bias columns
     seed: int = 0  # seeds the dummy weights and the draw of a seed for each request that gives none
@@ -99,6 +107,11 @@ class EngineConfig:
     # auto: on GPUs and TPUs (serving); off on CPU, where tests and notebooks build and drop many
     # engines (frozen objects in reference cycles are never collected).
     gc_freeze: str = "auto"
+
+    @property
+    def speculative_k(self) -> int:
+        """Drafts per request per step (0 with speculation off)."""
+        return 0 if self.speculative_method == "off" else self.speculative_tokens
 
     def resolved_gc_freeze(self, backend: str) -> bool:
         if self.gc_freeze not in ("auto", "on", "off"):
@@ -158,6 +171,12 @@ class EngineConfig:
             raise ValueError(f"--graph-scheduling must be concurrent or xla, got {self.graph_scheduling!r}")
         if self.layout_policy not in ("off", "auto"):
             raise ValueError(f"--layout-policy must be off or auto, got {self.layout_policy!r}")
+        from splash_jax.engine.speculative import METHODS
+
+        if self.speculative_method not in METHODS:
+            raise ValueError(f"--speculative-method must be one of {', '.join(METHODS)}, got {self.speculative_method!r}")
+        if self.speculative_method != "off" and not 1 <= self.speculative_tokens <= 16:
+            raise ValueError(f"--speculative-tokens must be in [1, 16], got {self.speculative_tokens}")
         if self.layout_policy == "auto" and not self.enable_switching:
             raise ValueError("--layout-policy auto needs --enable-switching")
 

@@ -38,6 +38,7 @@ from splash_jax.engine.output_processor import OutputProcessor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode, SamplerWidths, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
+from splash_jax.engine.speculative import NgramDrafter
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.engine.warmup import run_every_program_once
@@ -131,11 +132,19 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_id is not None:
             self.eos_ids.add(tokenizer.eos_id)
         self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
+        # Logits rows per step: a request each, and with speculation a row per draft too.
+        k = config.speculative_k
+        self.max_logits_rows = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k))
+        drafter = NgramDrafter(config.speculative_ngram_min, config.speculative_ngram_max) if k else None
+        if k:
+            log.info("speculative decoding: %s, %d drafts per request per step (steps run without overlap)",
+                     config.speculative_method, k)
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.layout.kv_placement,
             self.max_model_len, self.pages_per_request, self.eos_ids, config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching,
             balance_pages=int(config.prefix_balance_fraction * per_device),
+            max_logits_rows=self.max_logits_rows, drafter=drafter, num_speculative_tokens=k,
         )
         self.limits = SamplingLimits(config.max_stop_token_ids, config.max_logit_bias)
         widths = SamplerWidths.of(self.limits, len(self.eos_ids))
@@ -151,7 +160,7 @@ class Engine:
         self.switch_chunk_pages = in_step_chunk_pages(config.switch_chunk_pages, self.n, self.page_bytes)
         self.executor = StepExecutor(
             self.model, kv, self.mesh, self.layout,
-            (config.max_num_batched_tokens, config.max_num_seqs, config.min_token_bucket),
+            (config.max_num_batched_tokens, self.max_logits_rows, config.min_token_bucket),
             self.pages_per_request, config.attention_impl, widths, config.max_num_seqs,
             extra_pages_total=self.n * self.extra_pages,
             move_pages=self.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
@@ -304,7 +313,7 @@ class Engine:
             self.switcher.hand_off_if_ready()
             self._consult_policy()
         t3h = time.perf_counter()
-        if self.config.overlap_scheduling:
+        if self.overlapped:
             done, self._inflight = self._inflight, dispatched
         else:
             done = dispatched
@@ -316,7 +325,7 @@ class Engine:
         if dispatched is not None and dispatched.logits is not None and self.num_step_failures == failures:
             # its masks fill on the grammar thread; it is sampled at the next dispatch (or at once
             # without overlap), before the forward pass that reads its tokens
-            self.grammar_masks.start(dispatched, threaded=self.config.overlap_scheduling)
+            self.grammar_masks.start(dispatched, threaded=self.overlapped)
         if done is not None and done is dispatched:
             outputs += self._complete(done, back_to_back)
         t4 = time.perf_counter()
@@ -325,6 +334,11 @@ class Engine:
                              "complete": (t4 - t3h - self._last_wait_s) * 1e3}
         self.timeline.host_time(time.thread_time() - cpu0)
         return outputs + self._failed_now()
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether steps overlap: asked for, and no speculation (drafts need every token on the host)."""
+        return self.config.overlap_scheduling and not self.config.speculative_k
 
     def _consult_policy(self) -> None:
         """Let the layout policy start a switch (none in progress, its interval or an arrival due)."""
@@ -461,16 +475,20 @@ class Engine:
         now = time.monotonic()
         for i, first, count in step.prompt_rows:
             collect_prompt_logprobs(step.chunks[i].request, logprobs, first, count)
-        outputs = []
+        outputs, at = [], {}  # one delta per request (a verify chunk applies several tokens)
         for update in self.scheduler.update(step.chunks, step.rows, tokens):
             out, hit = self.outputs.process(update, logprobs, now)
-            if hit is not None:
+            if hit is not None:  # before the request's next token is applied: that one is dropped
                 update.request.stop_reason = hit
                 self.scheduler.finish(update.request, "stop")
             if out.finished:
                 self._requests.pop(update.request.request_id, None)
-            outputs.append(out)
-        self._recent.append((now, len(outputs)))
+            i = at.setdefault(out.request_id, len(outputs))
+            if i == len(outputs):
+                outputs.append(out)
+            else:
+                outputs[i] = outputs[i].extend(out)
+        self._recent.append((now, sum(len(o.delta_token_ids) for o in outputs)))
         return outputs
 
     def _fail(self, request: Request, message: str) -> None:

@@ -44,5 +44,8 @@ def engine_stats(engine) -> dict:
         "compile_seconds": round(engine.executor.compile_seconds, 2),
         "compile": engine.executor.compile_stats.summary(),  # start-up compiles: programs, seconds, cache hits
         "step_intervals": engine.timeline.summary(),  # cadence by step kind (engine/step_timeline.py)
-        "structured_outputs": engine.masks.summary(),  # grammar mask fills: count, rows, host ms per fill
+        "structured_outputs": engine.masks.summary(),
+        # drafts proposed and accepted (engine/speculative.py); None with speculation off
+        "speculative": (engine.scheduler.spec_stats.summary(engine.config.speculative_method)
+                        if engine.config.speculative_k else None),  # grammar mask fills: count, rows, host ms per fill
     }

@@ -150,6 +150,7 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens that reached the host
     num_computed: int = 0  # tokens whose latent is in the cache (or being written by a dispatched step)
     num_pending: int = 0  # sampled tokens still on the device (overlapped scheduling: 0 or 1)
+    num_unverified: int = 0  # speculative drafts in num_computed that their verify step has not yet accepted
     pending_row: int = -1  # their row in the last dispatched step's sampled tokens
     slot: int = -1  # its row in the persistent page tables, sampling and penalty state while running
     device_pages: list[list[int]] = dataclasses.field(default_factory=list)  # per device, global page ids
@@ -197,6 +198,12 @@ class Request:
         return self.num_known + self.num_pending
 
     @property
+    def num_stable(self) -> int:
+        """Tokens whose latents are final: computed, less drafts awaiting verification (a rejected
+        draft's slot is written again, so a page holding one is not full yet)."""
+        return self.num_computed - self.num_unverified
+
+    @property
     def num_generated(self) -> int:
         return len(self.output_ids) + self.num_pending
 
@@ -239,6 +246,18 @@ class RequestOutput:
     text: str = ""
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+
+    def extend(self, later: "RequestOutput") -> "RequestOutput":
+        """One delta for two consecutive ones of the same request (a speculative step outputs
+        several tokens): ids, text and logprobs concatenated, state fields from the later one."""
+        lp = None if self.delta_logprobs is None else self.delta_logprobs + (later.delta_logprobs or [])
+        top = None if self.delta_top_logprobs is None else self.delta_top_logprobs + (later.delta_top_logprobs or [])
+        return dataclasses.replace(
+            later, delta_token_ids=self.delta_token_ids + later.delta_token_ids,
+            delta_text=self.delta_text + later.delta_text, delta_logprobs=lp, delta_top_logprobs=top,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            prompt_top_logprobs=self.prompt_top_logprobs if self.prompt_logprobs is not None else later.prompt_top_logprobs,
+        )
 
     def accumulate(self, delta: "RequestOutput") -> "RequestOutput":
         """Fold a newer delta of the same request into this accumulated output (in place)."""

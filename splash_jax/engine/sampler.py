@@ -50,6 +50,7 @@ class SamplingInputs:
     bias_ids: jax.Array | None = None  # [R, B] int32, -1 = none
     bias_values: jax.Array | None = None  # [R, B] float32
     target: jax.Array | None = None  # [R] int32: the token whose logprob the row returns (-1 = the sampled one; prompt logprobs)
+    draft: jax.Array | None = None  # [R] int32: a speculative draft the row verifies (-1 = none)
 
     @classmethod
     def host(cls, n: int, widths: SamplerWidths | None = None) -> "SamplingInputs":
@@ -61,7 +62,7 @@ class SamplingInputs:
             *base, np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32),
             np.zeros(n, np.float32), np.full((n, widths.num_suppress), -1, np.int32),
             np.full((n, widths.num_bias), -1, np.int32), np.zeros((n, widths.num_bias), np.float32),
-            np.full(n, -1, np.int32),
+            np.full(n, -1, np.int32), np.full(n, -1, np.int32),
         )
 
     @classmethod
@@ -143,13 +144,22 @@ def filter_logits(logits: jax.Array, s: SamplingInputs) -> jax.Array:
 
 def _draw(logits: jax.Array, s: SamplingInputs, filtered: bool = True) -> jax.Array:
     """One token per row from its own key. filtered=False: temperature only (every row of the step
-    has min_p, top_k and top_p off, so the filter would keep everything)."""
-    def draw(seed, step, row):
+    has min_p, top_k and top_p off, so the filter would keep everything).
+
+    A row verifying a draft d (s.draft >= 0; engine/speculative.py) keeps d with probability p(d)
+    under the row's final distribution p, else draws from p with d removed: speculative sampling's
+    rejection rule for a draft distribution that is all on d, so the token still follows p. A row
+    without a draft draws exactly as it would without speculation (same key, same result)."""
+    def draw(seed, step, row, d):
         key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.categorical(key, row)
+        p_d = jnp.exp(row[jnp.maximum(d, 0)] - jax.nn.logsumexp(row))
+        keep = (d >= 0) & (jax.random.uniform(jax.random.fold_in(key, 1)) < p_d)
+        token = jax.random.categorical(key, jnp.where(jnp.arange(row.shape[0]) == d, -jnp.inf, row))
+        return jnp.where(keep, d, token)
 
     scaled = filter_logits(logits, s) if filtered else _tempered(logits, s)
-    return jax.vmap(draw)(s.seed, s.step, scaled).astype(jnp.int32)
+    draft = s.draft if s.draft is not None else jnp.full(scaled.shape[0], -1, jnp.int32)
+    return jax.vmap(draw)(s.seed, s.step, scaled, draft).astype(jnp.int32)
 
 
 def needs_full(params: SamplingParams) -> bool:

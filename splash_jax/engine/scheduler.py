@@ -14,6 +14,10 @@ schedule() -> SchedulerOutput, in order:
   admitted running request not yet scheduled this step (or itself): its pages and slot are
   freed and it goes back to the front of the waiting queue keeping its output, to be recomputed.
 
+With speculative decoding (engine/speculative.py) a decoding request may carry drafts: its chunk
+computes its last token and the drafts, with a logits row each, from the rows left after every
+decoding request has its one; update() keeps the accepted prefix and rolls num_computed back to it.
+
 update(step, tokens) after a step's tokens reach the host: appends each sampled token, applies
 the token-level stops (EOS, stop_token_ids, max_tokens, model length) and finishes requests
 (freeing their pages and slots). Tokens of requests that finished meanwhile are dropped, so a
@@ -36,6 +40,7 @@ import itertools
 import logging
 
 from splash_jax.engine.request import Request, Status
+from splash_jax.engine.speculative import SpeculativeStats, accepted, can_speculate, max_drafts
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.page_table import PageTables
 from splash_jax.kv.placement import Placement
@@ -51,6 +56,7 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool  # reaches the end of the sequence: a token is sampled
     lp_start: int = -1  # prompt logprobs: positions lp_start.. each get a logits row (-1: only the last)
+    drafts: tuple[int, ...] = ()  # speculative drafts after its last known token (a logits row each, plus one)
 
     @property
     def end(self) -> int:
@@ -58,7 +64,10 @@ class ScheduledChunk:
 
     @property
     def num_rows(self) -> int:
-        """Logits rows the chunk takes in its step: one, or one per position from lp_start."""
+        """Logits rows the chunk takes in its step: one, one per position from lp_start, or one per
+        draft plus one."""
+        if self.drafts:
+            return len(self.drafts) + 1
         return self.end - self.lp_start if self.lp_start >= 0 else 1
 
 
@@ -110,6 +119,9 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = False,
         balance_pages: int = 0,
+        max_logits_rows: int | None = None,
+        drafter=None,
+        num_speculative_tokens: int = 0,
     ):
         self.allocator = allocator
         self.n = allocator.num_devices
@@ -117,6 +129,10 @@ class Scheduler:
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_logits_rows = max_logits_rows or max_num_seqs  # logits rows per step (drafts take rows too)
+        self.drafter = drafter if num_speculative_tokens else None  # .propose(request, k) -> draft token ids
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_stats = SpeculativeStats(num_speculative_tokens)
         self.max_model_len = max_model_len
         self.eos_ids = set(eos_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -169,16 +185,29 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Chunks for the next step within the token budget and max_num_seqs logits rows (a
         request asking for prompt logprobs takes a row per prompt position it computes)."""
-        budget, rows = self.max_num_batched_tokens, self.max_num_seqs
+        budget, rows = self.max_num_batched_tokens, self.max_logits_rows
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         scheduled: set[int] = set()
         todo = [r for r in self.running if r.num_tokens > r.num_computed]
         decoding = [r for r in todo if r.num_tokens - r.num_computed == 1 and not self.sampling_done(r)]
         prefilling = [r for r in todo if r.num_tokens - r.num_computed > 1]
+        drafts = self._propose(decoding, min(budget, rows))
         for request in decoding + prefilling:
             if request not in self.running or budget == 0 or rows == 0:
                 continue  # preempted by an earlier request of this step, or out of budget
+            mine = drafts.get(id(request), ())
+            if mine and len(mine) + 1 > min(budget, rows):
+                mine = ()
+            if mine:
+                n = 1 + len(mine)
+                if not self._ensure_pages(request, request.num_computed + n, scheduled, preempted):
+                    continue
+                chunks.append(self._take(request, n, mine))
+                scheduled.add(id(request))
+                budget -= n
+                rows -= n
+                continue
             n = cap_to_rows(request, request.num_computed, min(request.num_tokens - request.num_computed, budget), rows)
             if not self.enable_chunked_prefill and n < request.num_tokens - request.num_computed:
                 continue
@@ -205,6 +234,24 @@ class Scheduler:
             rows -= chunks[-1].num_rows
         self.waiting.extendleft(reversed(deferred))
         return SchedulerOutput(chunks, preempted)
+
+    def _propose(self, decoding: list[Request], room: int) -> dict[int, tuple[int, ...]]:
+        """Drafts per decoding request (by id) from the rows and tokens left once each decoding
+        request has its one, in decode order."""
+        if self.drafter is None:
+            return {}
+        spare, out = room - len(decoding), {}
+        for r in decoding:
+            if spare <= 0:
+                break
+            if not can_speculate(r):
+                continue
+            k = min(max_drafts(r, self.num_speculative_tokens, self.max_model_len), spare)
+            d = tuple(self.drafter.propose(r, k)[:k]) if k else ()
+            if d:
+                out[id(r)] = d
+                spare -= len(d)
+        return out
 
     def _admit(self, request: Request, budget: int, rows: int) -> int | None:
         """Admit `request` with its cached prefix: the tokens of its first chunk, 0 if it waits for
@@ -292,9 +339,10 @@ class Scheduler:
                 if upto > len(r.cache_nodes):
                     cache.insert(r, self.placement, upto)
 
-    def _take(self, request: Request, n: int) -> ScheduledChunk:
+    def _take(self, request: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed
-        chunk = ScheduledChunk(request, start, n, start + n == request.num_tokens)
+        chunk = ScheduledChunk(request, start, n, start + n - len(drafts) == request.num_tokens, drafts=drafts)
+        request.num_unverified = len(drafts)
         if request.wants_prompt_logprobs:
             chunk.lp_start = max(start, request.prompt_lp_next)
             request.prompt_lp_next = start + n
@@ -355,7 +403,7 @@ class Scheduler:
         for pages in request.device_pages:
             self.allocator.free(pages)
         request.device_pages = []
-        request.num_computed = request.num_cacheable = 0
+        request.num_computed = request.num_cacheable = request.num_unverified = 0
         if request.slot >= 0:
             self.tables.clear(request.slot)
             self._free_slots.append(request.slot)
@@ -396,24 +444,43 @@ class Scheduler:
         self.tables = tables
 
     # --- after a step -------------------------------------------------------------------------
-    def update(self, chunks: list[ScheduledChunk], rows: list[int], tokens) -> list[TokenUpdate]:
-        """Apply a finished step's sampled tokens (tokens[rows[i]] for the i-th sampling chunk)."""
-        updates = []
+    def update(self, chunks: list[ScheduledChunk], rows: list[int], tokens):
+        """Apply a finished step's sampled tokens (tokens[rows[i]] for the i-th sampling chunk; a
+        chunk with K drafts reads rows[i] - K .. rows[i]), yielding a TokenUpdate per token as it
+        is applied: a caller that finishes a request (a stop string) before the next one drops the
+        request's later tokens."""
         for chunk, row in zip((c for c in chunks if c.samples), rows):
             request = chunk.request
             request.num_pending -= 1
             if request.status == Status.FINISHED:
                 continue  # stopped or aborted while this step ran: its token is dropped
-            token = int(tokens[row])
-            request.output_ids.append(token)
-            p = request.params
-            stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
-            reason = advance_grammar(request, token) if request.grammar is not None else None
-            if reason is None and stop_token and len(request.output_ids) >= p.min_tokens:
-                reason, request.stop_reason = "stop", (token if token in p.stop_token_ids else None)
-            elif reason is None and len(request.output_ids) >= p.max_tokens or request.num_known >= self.max_model_len:
-                reason = "length"
-            if reason is not None:
-                self.finish(request, reason)
-            updates.append(TokenUpdate(request, token, row, reason, stop_token and reason == "stop"))
-        return updates
+            if chunk.drafts:
+                first = row - len(chunk.drafts)
+                out = accepted(chunk.drafts, tokens[first : row + 1])
+                self.spec_stats.record(len(chunk.drafts), len(out) - 1)
+                # the latents of the last known token and of the accepted drafts are final; the
+                # rejected drafts' slots are written again by the next step
+                request.num_unverified = 0
+                request.num_computed = chunk.start + len(out)
+                request.num_cacheable = min(request.num_cacheable, request.num_computed)
+                rows_out = range(first, first + len(out))
+            else:
+                out, rows_out = [int(tokens[row])], (row,)
+            for token, r in zip(out, rows_out):
+                if request.status == Status.FINISHED:
+                    break  # a stop ended it earlier in this chunk: the rest is dropped
+                yield self._apply(request, token, r)
+
+    def _apply(self, request: Request, token: int, row: int) -> TokenUpdate:
+        """Append one sampled token and apply the token-level stops."""
+        request.output_ids.append(token)
+        p = request.params
+        stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
+        reason = advance_grammar(request, token) if request.grammar is not None else None
+        if reason is None and stop_token and len(request.output_ids) >= p.min_tokens:
+            reason, request.stop_reason = "stop", (token if token in p.stop_token_ids else None)
+        elif reason is None and len(request.output_ids) >= p.max_tokens or request.num_known >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.finish(request, reason)
+        return TokenUpdate(request, token, row, reason, stop_token and reason == "stop")

@@ -215,6 +215,10 @@ def pack_step(
             req = c.request
             known = min(c.end, req.num_known)
             vals = req.token_slice(c.start, known)
+            if c.drafts:  # a verify chunk: its last known token, then the drafts
+                values.append(vals + list(c.drafts))
+                sources.append([-1] * (len(vals) + len(c.drafts)))
+                continue
             pad = c.end - max(known, c.start)  # positions whose token is still on the device
             values.append(vals + [0] * pad)
             sources.append([-1] * len(vals) + [req.pending_row] * pad)
@@ -232,11 +236,18 @@ def pack_step(
     generated = np.fromiter((c.request.num_generated - c.samples for c in chunks), np.int64, num)
     if num:
         slot_sampling.rows(sampling, row, slots, generated)
+    for i in (i for i, c in enumerate(chunks) if c.drafts):  # verify rows: position j draws output token j
+        k = len(chunks[i].drafts)
+        verify = np.arange(row[i] - k, row[i] + 1)
+        slot_sampling.rows(sampling, verify, np.full(k + 1, slots[i]), generated[i] + np.arange(k + 1))
+        sampling.draft[verify[:-1]] = chunks[i].drafts
     prompt_rows = []
     if all_logits:
         logits_index[: len(gslot)] = gslot
     else:
         logits_index[row] = base + lengths - 1
+        for i in (i for i, c in enumerate(chunks) if c.drafts):
+            logits_index[row[i] - nrows[i] + 1 : row[i] + 1] = base[i] + np.arange(nrows[i])
         lp_start = np.fromiter((c.lp_start for c in chunks), np.int64, num)
         for i in np.flatnonzero(lp_start >= 0):  # prompt logprobs: row r of position p scores prompt token p + 1
             c = chunks[i]

@@ -365,8 +365,8 @@ class SwitchController:
             r, owner = self._unplanned.popleft()
             if running.get(r.request_id) is not r or r.request_id in plan.requests:
                 continue
-            items.append((r, owner, r.num_computed, None))
-            budget -= pages_for_tokens(r.num_computed, engine.config.page_size)
+            items.append((r, owner, r.num_stable, None))  # drafts awaiting verification are not final
+            budget -= pages_for_tokens(r.num_stable, engine.config.page_size)
         if not self._plan_at_once(plan, items):
             for r, owner, upto, _ in items:
                 plan.requests[r.request_id] = plan_request(
@@ -585,12 +585,13 @@ class SwitchController:
         page_size = self.engine.config.page_size
         todo = []
         for r in sorted(self.engine.scheduler.running, key=lambda r: r.order):
-            upto = (r.num_computed // page_size) * page_size if full_pages_only else r.num_computed
+            # steps copy only pages that are final (num_stable: not holding drafts a verify step may reject)
+            upto = (r.num_stable // page_size) * page_size if full_pages_only else r.num_computed
             existing = plan.requests.get(r.request_id)
             if full_pages_only and existing is None:
                 continue  # admitted since the switch started: planned at the handoff, as before
             held = existing is not None and existing.held_from is not None
-            if held and r.num_computed >= existing.planned_pages * page_size:
+            if held and r.num_stable >= existing.planned_pages * page_size:
                 existing.held_from = None  # the held last page is full now (dispatched steps wrote it): steps may copy it
             if existing is not None and pages_for_tokens(upto, page_size) <= existing.planned_pages:
                 continue  # nothing new to plan (a held, partly filled last page is copied at the handoff)

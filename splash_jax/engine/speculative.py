@@ -1,0 +1,120 @@
+"""Speculative decoding: draft proposals, the acceptance rule, and its counters.
+
+A decoding request with K drafts d_1..d_K runs one verify chunk of 1 + K tokens (its last known
+token, then the drafts) with a logits row per position, in an ordinary step program (the MLA
+kernels already take several query tokens per request). Row i's token t_i is drawn from the
+target distribution after d_1..d_i, so the output is t_0 if t_0 != d_1, else d_1 then t_1 if
+t_1 != d_2, ...: the accepted drafts and one more token (a correction, or a bonus token when
+every draft is accepted). Greedy rows draw by argmax, so the output equals non-speculative
+decoding token for token. Sampled rows use the rejection rule of speculative sampling with a
+one-token draft distribution (sampler.py: accept d with probability p(d), else draw from p with d
+removed), so every token still follows the target distribution.
+
+Latents of rejected drafts were written to the cache at positions the request has not reached;
+the scheduler rolls `num_computed` back to the accepted tokens, so the next step rewrites those
+slots before any query reads them (attention reads only positions below each query's length).
+
+Drafts come from the request itself here (`NgramDrafter`, prompt lookup: no model, as vLLM's and
+SGLang's n-gram method). Requests that speculation cannot serve exactly with these programs run
+one token per step: penalties (the step's penalty history would count rejected drafts), grammars
+(a mask per draft position needs the grammar advanced through the drafts), and requests still
+owed prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from splash_jax.engine.request import Request
+
+METHODS = ("off", "ngram")
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether drafts for `request` keep its outputs exactly as without speculation (see above)."""
+    p = request.params
+    return (request.num_pending == 0 and request.grammar is None and not p.uses_penalties
+            and not request.wants_prompt_logprobs)
+
+
+def max_drafts(request: Request, k: int, max_model_len: int) -> int:
+    """Drafts worth verifying: one verify step outputs at most drafts + 1 tokens, so never more
+    than the tokens max_tokens still allows, less one, nor past the model length."""
+    left = request.params.max_tokens - len(request.output_ids) - 1
+    return max(0, min(k, left, max_model_len - request.num_known - 1))
+
+
+def accepted(drafts, tokens) -> list[int]:
+    """The tokens a verify chunk outputs: tokens[i] (drawn at position i) is kept, and the next
+    draft is checked against it, until one differs; all K drafts accepted adds tokens[K]."""
+    out = []
+    for i, d in enumerate(drafts):
+        t = int(tokens[i])
+        out.append(t)
+        if t != d:
+            return out
+    out.append(int(tokens[len(drafts)]))
+    return out
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest suffix n-gram (max_n down to min_n tokens) that occurred before
+    in the request's prompt + output; its most recent earlier occurrence's continuation is the
+    draft (copying code under edit, quoting a retrieved passage)."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"--speculative-ngram-min ({min_n}) must be in [1, --speculative-ngram-max ({max_n})]")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        seq = np.asarray(request.token_slice(0, request.num_known), np.int64)
+        return ngram_draft(seq, k, self.min_n, self.max_n)
+
+
+def ngram_draft(seq: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of seq's longest suffix n-gram."""
+    size = len(seq)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = seq[size - n:]
+        # windows starting at 0..size-n-1: each is an earlier occurrence candidate (not the suffix itself)
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: size - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return seq[start : start + k].tolist()
+    return []
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """Counters for stats() and /metrics: drafts proposed and accepted, per verify chunk."""
+
+    k: int
+    verify_chunks: int = 0  # request-steps that carried drafts
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    histogram: list[int] = dataclasses.field(default_factory=list)  # [a]: verify chunks that accepted a drafts
+
+    def __post_init__(self):
+        self.histogram = self.histogram or [0] * (self.k + 1)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.verify_chunks += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        self.histogram[num_accepted] += 1
+
+    def summary(self, method: str) -> dict:
+        chunks = self.verify_chunks
+        return {
+            "method": method, "num_speculative_tokens": self.k, "verify_chunks": chunks,
+            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            "mean_accepted_per_step": self.accepted_tokens / chunks if chunks else 0.0,
+            "accepted_histogram": list(self.histogram),
+        }
