@@ -153,6 +153,47 @@ def test_random_switch_schedules_keep_outputs_identical(engine, fixed_outputs):
     assert m["bytes_moved"] - before["bytes_moved"] == sum(h.bytes_moved for h in handles) > 0
 
 
+class _OracleDrafter:
+    """Drafts the reference continuation with a quarter of the tokens wrong: verify chunks that
+    accept every draft, some, or none, whatever the model (n-gram drafts of a random model are
+    rarely right)."""
+
+    def __init__(self, reference: dict, seed: int):
+        self.reference, self.rng = reference, np.random.default_rng(seed)
+
+    def propose(self, request, k):
+        want = self.reference[tuple(request.prompt_ids)][len(request.output_ids):][:k]
+        wrong = self.rng.random(len(want)) < 0.25
+        return [(t + 1) % 100 if w else t for t, w in zip(want, wrong)]
+
+
+def test_speculative_decoding_keeps_outputs_in_every_layout_and_across_switches(engine, fixed_outputs):
+    """Drafts verified in every layout, and while switches move the pages that verify steps write
+    (a rejected draft's slot is written again, so only final pages are copied in the background):
+    greedy outputs equal the fixed layout's without speculation; nothing compiles."""
+    _settle_in(engine, "tp")
+    reference = {tuple(engine.tokenizer.encode(p, add_bos=True)): fixed_outputs[i].token_ids for i, p in enumerate(PROMPTS)}
+    engine.set_speculative("ngram", 3)
+    engine.scheduler.set_speculation(_OracleDrafter(reference, 5), 3)
+    try:
+        with count_compiles() as compiles:
+            for layout in LAYOUT_NAMES:
+                _settle_in(engine, layout)
+                done, _ = run(engine, switches=None)
+                assert [done[i].token_ids for i in range(len(PROMPTS))] == [fixed_outputs[i].token_ids for i in range(len(PROMPTS))], layout
+            _settle_in(engine, "tp")
+            done, handles = run(engine, TOUR[1:7], np.random.default_rng(11))
+        assert compiles.count == 0, compiles.events
+        assert sum(h.state == SwitchState.DONE for h in handles) >= 5
+        assert any(h.steps_overlapped > 1 and h.pages_copied > 0 for h in handles)
+        for i in range(len(PROMPTS)):
+            assert done[i].token_ids == fixed_outputs[i].token_ids, (i, PROMPTS[i])
+        hist = engine.stats()["speculative"]["accepted_histogram"]
+        assert hist[0] > 0 and hist[3] > 0 and sum(hist[1:3]) > 0, hist  # none, some and all accepted
+    finally:
+        engine.set_speculative("off")
+
+
 @pytest.mark.parametrize("src,dst", [("dp", "dop"), ("tp", "dop"), ("tp", "cp"), ("dop", "dp")])
 def test_switches_that_move_no_cache_finish_within_one_step(engine, src, dst):
     if engine.layout.name != src:

@@ -135,7 +135,6 @@ class Engine:
         # Logits rows per step: a request each, and with speculation a row per draft too.
         k = config.speculative_k
         self.max_logits_rows = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k))
-        drafter = NgramDrafter(config.speculative_ngram_min, config.speculative_ngram_max) if k else None
         if k:
             log.info("speculative decoding: %s, %d drafts per request per step (steps run without overlap)",
                      config.speculative_method, k)
@@ -144,8 +143,9 @@ class Engine:
             self.max_model_len, self.pages_per_request, self.eos_ids, config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching,
             balance_pages=int(config.prefix_balance_fraction * per_device),
-            max_logits_rows=self.max_logits_rows, drafter=drafter, num_speculative_tokens=k,
+            max_logits_rows=self.max_logits_rows,
         )
+        self.scheduler.set_speculation(self._drafter(), k)
         self.limits = SamplingLimits(config.max_stop_token_ids, config.max_logit_bias)
         widths = SamplerWidths.of(self.limits, len(self.eos_ids))
         self.slot_sampling = SlotSampling(config.max_num_seqs, widths, sorted(self.eos_ids))
@@ -354,6 +354,28 @@ class Engine:
         done, self._inflight = self._inflight, None
         self._completed_last_call = False
         return (self._complete(done, back_to_back=False) if done is not None else []) + self._failed_now()
+
+    def _drafter(self):
+        c = self.config
+        return NgramDrafter(c.speculative_ngram_min, c.speculative_ngram_max) if c.speculative_k else None
+
+    def set_speculative(self, method: str, num_tokens: int | None = None) -> list[RequestOutput]:
+        """Turn speculative decoding on ("ngram") or off ("off"), or change K, between steps
+        (returns the flushed outputs; the counters start again). Drafts use the logits rows the
+        engine was built with: max_num_seqs x (1 + K) when it started with speculation on, else
+        max_num_seqs, so a batch that fills the rows verifies fewer drafts. Nothing compiles."""
+        outputs = self.flush()
+        previous = (self.config.speculative_method, self.config.speculative_tokens)
+        self.config.speculative_method = method
+        if num_tokens is not None:
+            self.config.speculative_tokens = num_tokens
+        try:
+            self.config.validate()
+        except ValueError:
+            self.config.speculative_method, self.config.speculative_tokens = previous
+            raise
+        self.scheduler.set_speculation(self._drafter(), self.config.speculative_k)
+        return outputs
 
     def set_overlap(self, enabled: bool) -> list[RequestOutput]:
         """Switch overlapped scheduling on or off between steps (returns the flushed outputs)."""

@@ -178,6 +178,13 @@ class Request:
         """Prompt logprobs asked for and not all computed (position P - 1 predicts the first output)."""
         return self.params.prompt_logprobs is not None and self.prompt_lp_next < len(self.prompt_ids) - 1
 
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Admission skips the prefix cache for it: its prompt logprobs need every position's
+        logits, or its penalties need the prompt fed from position 0 (the step programs build a
+        slot's penalty history from the tokens they are fed, clearing it at position 0)."""
+        return self.wants_prompt_logprobs or self.params.uses_penalties
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Known tokens [start, stop) of prompt + output without concatenating the whole sequence."""
         n = len(self.prompt_ids)

@@ -120,8 +120,6 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         balance_pages: int = 0,
         max_logits_rows: int | None = None,
-        drafter=None,
-        num_speculative_tokens: int = 0,
     ):
         self.allocator = allocator
         self.n = allocator.num_devices
@@ -130,9 +128,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_logits_rows = max_logits_rows or max_num_seqs  # logits rows per step (drafts take rows too)
-        self.drafter = drafter if num_speculative_tokens else None  # .propose(request, k) -> draft token ids
-        self.num_speculative_tokens = num_speculative_tokens
-        self.spec_stats = SpeculativeStats(num_speculative_tokens)
+        self.set_speculation(None, 0)
         self.max_model_len = max_model_len
         self.eos_ids = set(eos_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -146,6 +142,13 @@ class Scheduler:
         self.balance_pages = balance_pages
         self.cache_stats = CacheStats()
         self.cache: PrefixCache | None = PrefixCache(allocator, self.cache_stats) if enable_prefix_caching else None
+
+    def set_speculation(self, drafter, num_tokens: int) -> None:
+        """drafter.propose(request, k) -> up to k draft token ids (None or num_tokens 0: off);
+        the counters start again."""
+        self.drafter = drafter if num_tokens else None
+        self.num_speculative_tokens = num_tokens if drafter is not None else 0
+        self.spec_stats = SpeculativeStats(self.num_speculative_tokens)
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn the prefix cache on or off (off forgets every cached page)."""
@@ -256,11 +259,11 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, rows: int) -> int | None:
         """Admit `request` with its cached prefix: the tokens of its first chunk, 0 if it waits for
         a block another request is computing, None if it does not fit now (nothing changed).
-        A request still owed prompt logprobs computes its whole prompt (their logits are needed)."""
+        Some compute their whole prompt (Request.computes_whole_prompt)."""
         cache, size = self.cache, self.page_size
         chain, hit = [], 0
         limit = (request.num_tokens - 1) // size  # its last token is always computed
-        if cache is not None and not request.wants_prompt_logprobs:
+        if cache is not None and not request.computes_whole_prompt:
             chain = cache.chain(request, limit)
             request.owner = self.choose_owner(chain, request)
             hit = cache.hits(chain, self.placement, request.owner)
@@ -298,8 +301,8 @@ class Scheduler:
 
     def cached_prefix(self, request: Request) -> int:
         """Tokens of a waiting request's prompt admission would find cached now (the policy prices
-        only the rest); 0 without a cache, or for a request owed prompt logprobs (it computes them all)."""
-        if self.cache is None or request.wants_prompt_logprobs:
+        only the rest); 0 without a cache, or for a request that computes its whole prompt."""
+        if self.cache is None or request.computes_whole_prompt:
             return 0
         chain = self.cache.chain(request, (request.num_tokens - 1) // self.page_size)
         if not chain:

@@ -1,0 +1,178 @@
+"""Speculative decoding against decoding one token per step: n-gram drafts, the acceptance rule,
+the rejection sampler's distribution, and the engine's outputs with drafts (greedy equal token for
+token, stops and max_tokens landing inside a verify chunk, logprobs, requests that do not
+speculate). Layouts and live switches: tests/test_switching.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from splash_jax.compile_guard import count_compiles
+from splash_jax.engine import Engine, EngineConfig, SamplingParams
+from splash_jax.engine.sampler import SamplerMode, SamplerWidths, SamplingInputs, sample
+from splash_jax.engine.speculative import accepted, ngram_draft
+from splash_jax.model import RuntimeOptions
+from splash_jax.paths import DEFAULT_MODEL
+from splash_jax.weights.loader import load_model
+
+# Prompts whose continuations copy from themselves (code under edit, repeated lines), so n-gram
+# drafts are accepted often, and one that does not repeat.
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
+    "import os\nimport sys\nimport os\nimport sys\n",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+    "The quick brown fox",
+]
+
+
+def test_ngram_draft_takes_the_latest_occurrence_of_the_longest_suffix():
+    seq = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 4, 2, 3])
+    # suffix [2, 3] occurs at 1 and 5 (and [4, 2, 3] nowhere before): the latest, at 5, continues 7, 8
+    assert ngram_draft(seq, 2, 1, 3) == [7, 8]
+    assert ngram_draft(seq, 5, 1, 3) == [7, 8, 4, 2, 3]
+    assert ngram_draft(np.array([1, 2, 3]), 3, 1, 3) == []  # nothing repeats
+    assert ngram_draft(np.array([4, 4]), 3, 1, 3) == [4]  # the continuation stops at the end
+    assert ngram_draft(seq, 2, 3, 3) == []  # only 3-grams: [4, 2, 3] never occurred before
+
+
+def test_acceptance_keeps_drafts_up_to_the_first_mismatch_and_one_more_token():
+    assert accepted((7, 8, 9), [7, 8, 9, 4]) == [7, 8, 9, 4]  # all accepted: the bonus token too
+    assert accepted((7, 8, 9), [7, 5, 9, 4]) == [7, 5]  # the correction replaces the rejected draft
+    assert accepted((7,), [3, 4]) == [3]
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_rejection_sampling_follows_the_target_distribution(top_k):
+    """Rows verifying a draft d keep d with p(d), else draw from p without d: over many seeds the
+    tokens follow p (after temperature and top-k), whatever the draft (chi-square)."""
+    vocab, rows = 6, 30000
+    logits = jnp.asarray(np.log([0.05, 0.1, 0.15, 0.2, 0.25, 0.25]), jnp.float32)
+    s = SamplingInputs.host(rows, SamplerWidths(1, 1))
+    s.temperature[:] = 0.7
+    s.top_k[:] = top_k
+    s.seed[:] = np.arange(rows)
+    s.draft[:] = np.arange(rows) % (vocab + 1) - 1  # -1 (no draft) and every token as a draft
+    out = jax.jit(lambda x, s: sample(x, s, None, full=True, mode=SamplerMode(top_k > 0, False)))(
+        jnp.broadcast_to(logits, (rows, vocab)), jax.tree.map(jnp.asarray, s))
+    tokens = np.asarray(out.tokens)
+    p = np.exp(np.asarray(logits) / 0.7)
+    if top_k:
+        p[np.argsort(p)[:-top_k]] = 0
+    p /= p.sum()
+    for d in range(-1, vocab):
+        got = np.bincount(tokens[s.draft == d], minlength=vocab)
+        keep = p > 0
+        assert got[~keep].sum() == 0  # filtered tokens never appear, drafted or not
+        chi2 = ((got[keep] - got.sum() * p[keep]) ** 2 / (got.sum() * p[keep])).sum()
+        assert stats.chi2.sf(chi2, keep.sum() - 1) > 1e-3, (d, got, p)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model = load_model(DEFAULT_MODEL, RuntimeOptions(dtype="float32", attention_impl="xla"))
+    cfg = EngineConfig(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_pages=96, compile_cache_dir=None,
+                       speculative_method="ngram", speculative_tokens=3)
+    return Engine(cfg, model=model)
+
+
+def _generate(engine, method, params, prompts=PROMPTS):
+    engine.set_speculative(method)
+    try:
+        return engine.generate(prompts, params)
+    finally:
+        engine.set_speculative("ngram")
+
+
+def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
+    params = [SamplingParams(max_tokens=m) for m in (40, 33, 27, 12)]
+    want = _generate(engine, "off", params)
+    engine.set_speculative("ngram")
+    steps = engine.num_steps
+    with count_compiles() as compiles:
+        got = engine.generate(PROMPTS, params)
+    spec = engine.stats()["speculative"]
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.text == w.text and g.finish_reason == w.finish_reason
+    assert compiles.count == 0  # verify chunks run the warmed-up step programs
+    assert spec["accepted_tokens"] > 0 and spec["verify_chunks"] > 0
+    assert sum(spec["accepted_histogram"]) == spec["verify_chunks"]
+    assert engine.num_steps - steps < max(len(w.token_ids) for w in want)  # fewer steps than tokens
+
+
+def test_max_tokens_and_stops_landing_inside_a_verify_chunk(engine):
+    base = _generate(engine, "off", SamplingParams(max_tokens=40))
+    for i, w in enumerate(base[:3]):
+        ids = w.token_ids
+        # every max_tokens from 1 to 12: most end inside a chunk of several accepted tokens
+        params = [SamplingParams(max_tokens=m) for m in range(1, 13)]
+        got = engine.generate([PROMPTS[i]] * len(params), params)
+        assert [g.token_ids for g in got] == [ids[:m] for m in range(1, 13)]
+        # a stop token and a stop string from the middle of the output
+        stop_id = ids[len(ids) // 2]
+        got = engine.generate([PROMPTS[i]], SamplingParams(max_tokens=40, stop_token_ids=[stop_id]))[0]
+        assert got.token_ids == ids[: ids.index(stop_id) + 1] and got.finish_reason == "stop"
+        text = w.text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        got = engine.generate([PROMPTS[i]], SamplingParams(max_tokens=40, stop=[stop]))[0]
+        assert got.text == text[: text.index(stop)] and got.finish_reason == "stop"
+        assert engine.generate([PROMPTS[i]], SamplingParams(max_tokens=40, stop=[stop], ignore_eos=True))[0].text == got.text
+
+
+def test_logprobs_come_from_each_tokens_own_row(engine):
+    params = SamplingParams(max_tokens=24, logprobs=3)
+    want = _generate(engine, "off", params)
+    before = engine.stats()["speculative"]["accepted_tokens"]
+    got = engine.generate(PROMPTS, params)
+    assert engine.stats()["speculative"]["accepted_tokens"] > before
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=2e-4)
+        for a, b in zip(g.top_logprobs, w.top_logprobs):
+            assert a.keys() == b.keys()
+            np.testing.assert_allclose(list(a.values()), list(b.values()), atol=2e-4)
+
+
+def test_penalties_and_min_tokens_run_as_without_speculation(engine):
+    params = [SamplingParams(max_tokens=20, presence_penalty=0.5), SamplingParams(max_tokens=20, repetition_penalty=1.3),
+              SamplingParams(max_tokens=20, min_tokens=15), SamplingParams(max_tokens=20, logit_bias={204: 5.0})]
+    want = _generate(engine, "off", params)
+    before = engine.stats()["speculative"]
+    got = engine.generate(PROMPTS, params)
+    after = engine.stats()["speculative"]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert after["verify_chunks"] > before["verify_chunks"]  # min_tokens and logit_bias requests speculate
+
+
+def test_sampled_outputs_are_reproducible_with_a_seed(engine):
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=7)
+    a = engine.generate(PROMPTS, params)
+    b = engine.generate(PROMPTS[::-1], params)[::-1]  # other batch order: the same tokens
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert all(len(x.token_ids) == 30 or x.finish_reason == "stop" for x in a)
+
+
+def test_speculation_settings_are_checked(engine):
+    with pytest.raises(ValueError, match="speculative-method"):
+        engine.set_speculative("medusa")
+    with pytest.raises(ValueError, match="speculative-tokens"):
+        engine.set_speculative("ngram", 0)
+    assert engine.config.speculative_method == "ngram" and engine.config.speculative_tokens == 3
+    assert not engine.overlapped  # drafts need the last token on the host
+
+
+def test_penalty_requests_give_the_same_tokens_when_their_prompt_is_cached(engine):
+    """A slot's penalty history is built from the tokens its steps are fed, from position 0, so a
+    request with penalties computes its whole prompt even when it is cached (a hit left the
+    prompt out of the repetition penalty and kept the slot's previous counts)."""
+    engine.set_speculative("off")
+    try:
+        params = SamplingParams(max_tokens=16, repetition_penalty=1.3, presence_penalty=0.4)
+        first = engine.generate(PROMPTS, params)
+        hits = engine.stats()["prefix_cache"]["hits"]
+        again = engine.generate(PROMPTS[::-1], params)[::-1]
+        assert [a.token_ids for a in again] == [f.token_ids for f in first]
+        assert engine.stats()["prefix_cache"]["hits"] == hits  # none of them took a cached prefix
+    finally:
+        engine.set_speculative("ngram")
