@@ -41,6 +41,7 @@ class RuntimeOptions:
     scan_layers: bool = True  # layers stacked per group under lax.scan (False: one module per layer, unrolled)
     expert_format: str = "model"  # routed experts: "model" (the dtype above) | "fp8" (e4m3 + block scales in HBM)
     moe_impl: str = "auto"  # routed experts' path (moe.MOE_IMPLS): auto = the Pallas kernel on GPUs, XLA elsewhere
+    mtp: bool = False  # build the checkpoint's multi-token-prediction layers (splash_jax/mtp.py), the MTP draft
 
 
 class MLAttention(nnx.Module):
@@ -184,6 +185,15 @@ class DeepseekForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = init_param(rngs, (cfg.hidden_size, vocab), dtype)
+        if options.mtp and cfg.num_mtp_layers:  # built last: the main model's initialization is unchanged
+            from splash_jax.mtp import build_mtp_layers
+
+            self.mtp = build_mtp_layers(cfg, dtype, rngs, options.expert_format, options.moe_impl)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP layers this model holds (0 unless built with RuntimeOptions.mtp from a checkpoint with them)."""
+        return len(self.mtp) if hasattr(self, "mtp") else 0
 
     def rope_cos_sin(self, positions):
         """[T, R] cos|sin rows computed on device (a table for 160K positions would be a 40 MB constant)."""
@@ -191,11 +201,15 @@ class DeepseekForCausalLM(nnx.Module):
         freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
         return jnp.concatenate([jnp.cos(freqs), jnp.sin(freqs)], axis=-1) * factor
 
-    def __call__(self, kv: KVCache, batch: StepInput, attention_impl: str | None = None, ctx=None):
+    def __call__(self, kv: KVCache, batch: StepInput, attention_impl: str | None = None, ctx=None,
+                 return_hidden: bool | str = False):
         """One forward step: writes this step's latents, returns float32 logits [N, V] and the cache.
 
         `ctx` supplies the parallel parts (attention layout, reductions, vocab/expert shards);
-        None runs everything on one device.
+        None runs everything on one device. `return_hidden` returns (logits, hidden, kv) instead:
+        True gives the final hidden state (after the final norm: the LM head's input, what MTP
+        consumes) of the rows at batch.logits_index [N, D]; "all" gives it for every token slot
+        [T, D] (a prefill chunk's MTP step needs every position's, not only the rows with logits).
         """
         ctx = ctx or LocalContext(attention_impl or self.options.attention_impl)
         x = ctx.embed(self.embed[...], batch.tokens)
@@ -221,12 +235,50 @@ class DeepseekForCausalLM(nnx.Module):
         else:
             for i, layer in enumerate(self.layers):
                 x, pools = run_layer(layer, i, x, pools)
-        h = self.norm(x[batch.logits_index])
+        if return_hidden == "all":
+            hidden = self.norm(x)
+            h = hidden[batch.logits_index]
+        else:
+            h = self.norm(x[batch.logits_index])
+            hidden = h
+        logits = self._logits(h, ctx)
+        if return_hidden:
+            return logits, hidden, kv.unflat(pools)
+        return logits, kv.unflat(pools)
+
+    def _logits(self, h, ctx):
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         logits = ctx.logits(h, head)
         if logits.shape[-1] != self.cfg.vocab_size:  # padded vocabulary rows are never sampled
             logits = logits[:, : self.cfg.vocab_size]
-        return logits, kv.unflat(pools)
+        return logits
+
+    def mtp_forward(self, kv: KVCache, batch: StepInput, hidden, ctx=None, attention_impl: str | None = None,
+                    mtp_layer: int = 0):
+        """One MTP draft step (splash_jax/mtp.py): -> (float32 logits [N, V] of the rows at
+        batch.logits_index, their output hidden state [N, D] (the next draft's `hidden`), kv).
+
+        batch.tokens hold the token at t+1 for each slot at position t (its prediction is token
+        t+2); `hidden` [T, D] is the previous depth's hidden state of each token slot (the main
+        model's `return_hidden` output for the first draft). Latents go to pool layer
+        num_layers + mtp_layer, addressed by the same page tables as the main layers, so a
+        request's MTP cache lives in its own pages and moves with them. `ctx` as in __call__.
+        """
+        cfg = self.cfg
+        if not self.num_mtp_layers:
+            raise ValueError("this model has no MTP layers: load a checkpoint with num_nextn_predict_layers > 0 "
+                             "with RuntimeOptions(mtp=True)")
+        if kv.num_layers != cfg.num_layers + self.num_mtp_layers:
+            raise ValueError(f"the KV pool has {kv.num_layers} layers, the model with MTP needs "
+                             f"{cfg.num_layers + self.num_mtp_layers} (make it with this model's new_cache)")
+        ctx = ctx or LocalContext(attention_impl or self.options.attention_impl)
+        embedded = ctx.embed(self.embed[...], batch.tokens)
+        cos_sin = self.rope_cos_sin(batch.positions)
+        layer = self.mtp[mtp_layer]
+        step = layer_batch(batch, cfg.num_layers + mtp_layer, kv.pages_per_segment(), kv.num_layers)
+        x, pools = layer(embedded, hidden, cos_sin, kv.flat(), step, ctx)
+        out = layer.norm(x[batch.logits_index])
+        return self._logits(out, ctx), out, kv.unflat(pools)
 
     def layer(self, i: int) -> DecoderLayer:
         """Layer i as a module (a view of its slice of the stacked weights when scanned): for checks."""
@@ -239,10 +291,11 @@ class DeepseekForCausalLM(nnx.Module):
         raise IndexError(f"layer {i} of a {self.cfg.num_layers}-layer model")
 
     def new_cache(self, num_pages: int, page_size: int, sharding=None, extra_pages: int = 0) -> KVCache:
-        """sharding: of the whole [L, P, S, D] pool arrays (mesh/layouts.POOL_SPEC on a mesh)."""
+        """sharding: of the whole [L, P, S, D] pool arrays (mesh/layouts.POOL_SPEC on a mesh).
+        With MTP layers the pool has num_layers + num_mtp_layers layers, MTP layer j's at num_layers + j."""
         cfg = self.cfg
         return KVCache.zeros(
-            cfg.num_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+            cfg.num_layers + self.num_mtp_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
             jnp.dtype(self.options.dtype), sharding, extra_pages,
         )
 

@@ -101,6 +101,13 @@ class ModelConfig:
     padding: ArraySizes | None = None
     # FP8 block scheme of the checkpoint's weights (dequantized on load); None = float checkpoint.
     weight_quant: "BlockFp8 | None" = None
+    # Multi-token-prediction layers (HF `num_nextn_predict_layers`: DeepSeek-V3/R1 ship 1) stored as
+    # layers num_layers.. of the checkpoint; the model builds them only when asked (RuntimeOptions.mtp).
+    num_mtp_layers: int = 0
+    # FP8 scheme of the MTP layers: weight_quant, or set alone when quantization_config's
+    # modules_to_not_convert leaves the whole main model unquantized (the bundled model: a float
+    # main model with a block-FP8 MTP layer, so the engine treats it as the float checkpoint it is).
+    mtp_weight_quant: "BlockFp8 | None" = None
 
     # --- derived numbers ------------------------------------------------------------
     @property
@@ -239,12 +246,20 @@ class ModelConfig:
             weight_quant = parse_quantization_config(raw.get("quantization_config"))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        num_layers = int(need("num_hidden_layers"))
+        num_mtp = int(get("num_nextn_predict_layers", 0))
+        if num_mtp < 0:
+            raise ConfigError(f"num_nextn_predict_layers={num_mtp} must be >= 0")
+        skipped = tuple((raw.get("quantization_config") or {}).get("modules_to_not_convert") or ())
+        mtp_quant = None if _covers(skipped, f"model.layers.{num_layers}") else weight_quant
+        if weight_quant is not None and all(_covers(skipped, f"model.layers.{i}") for i in range(num_layers)):
+            weight_quant = None  # only the MTP layers are FP8
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=int(need("hidden_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=n_heads,
             q_lora_rank=None if raw.get("q_lora_rank") is None else int(raw["q_lora_rank"]),
             kv_lora_rank=int(need("kv_lora_rank")),
@@ -273,6 +288,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             architecture=arch,
             weight_quant=weight_quant,
+            num_mtp_layers=num_mtp,
+            mtp_weight_quant=mtp_quant,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -285,6 +302,7 @@ class ModelConfig:
                 "beta_fast": self.rope.beta_fast, "beta_slow": self.rope.beta_slow,
                 "mscale": self.rope.mscale, "mscale_all_dim": self.rope.mscale_all_dim,
             }
+        mtp = {"num_nextn_predict_layers": self.num_mtp_layers} if self.num_mtp_layers else {}
         return {
             "architectures": [self.architecture],
             "model_type": "deepseek_v3" if self.architecture == "DeepseekV3ForCausalLM" else "deepseek_v2",
@@ -308,7 +326,12 @@ class ModelConfig:
             "rope_interleave": self.rope.interleaved, "hidden_act": self.hidden_act,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-        }
+        } | mtp
+
+
+def _covers(modules: tuple[str, ...], name: str) -> bool:
+    """Is module `name` (or a module containing it) in a modules_to_not_convert list?"""
+    return any(name == m or name.startswith(m + ".") for m in modules)
 
 
 def _check_routing(arch: str, scoring: str, topk_method: str) -> None:

@@ -128,3 +128,29 @@ class DequantizingReader:
 
     def _is_fp8(self, name: str) -> bool:
         return self.ckpt.dtype_name(name) in FP8_DTYPES
+
+
+def is_block_fp8_linear(name: str) -> bool:
+    """Tensors DeepSeek-V3's release stores in block FP8: every linear weight inside the decoder and
+    MTP layers (eh_proj included) except the router (`mlp.gate.weight`); embeddings, norms and heads stay float."""
+    return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+
+
+def quantize_checkpoint(tensors: dict[str, np.ndarray], select=is_block_fp8_linear,
+                        block: tuple[int, int] = (128, 128)) -> dict[str, np.ndarray]:
+    """HF tensors with the selected ones stored as DeepSeek's release stores them: e4m3 values plus a
+    float32 `_scale_inv` per block (`quantize`); the rest unchanged. For exports and test fixtures."""
+    out = {}
+    for name, t in tensors.items():
+        if select(name):
+            out[name], out[name + SCALE_SUFFIX] = quantize(np.asarray(t, np.float32), block)
+        else:
+            out[name] = t
+    return out
+
+
+def quantization_config(block: tuple[int, int] = (128, 128), modules_to_not_convert: list[str] | None = None) -> dict:
+    """config.json's `quantization_config` for `quantize_checkpoint` output (DeepSeek-V3's, plus
+    transformers' modules_to_not_convert when only some layers are FP8)."""
+    out = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    return out | ({"modules_to_not_convert": modules_to_not_convert} if modules_to_not_convert else {})

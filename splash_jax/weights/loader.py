@@ -25,7 +25,7 @@ from splash_jax.layer_groups import is_stacked, layer_groups, unstack_path
 from splash_jax.model import DeepseekForCausalLM, RuntimeOptions
 from splash_jax.model_config import ModelConfig
 from splash_jax.weights.fp8 import DequantizingReader
-from splash_jax.weights.hf_names import ParamSource, param_sources
+from splash_jax.weights.hf_names import ParamSource, mtp_layer_index, param_sources
 from splash_jax.weights.padding import padding_report, zero_pad_to
 from splash_jax.weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
 
@@ -73,6 +73,11 @@ def load_model(
     sharding_for = sharding_for or replicated()
     multiple = pad_multiple or getattr(sharding_for, "shard_multiple", 1)
     cfg = cfg.padded_to(multiple)
+    if options.mtp and not cfg.num_mtp_layers:
+        raise CheckpointError(
+            f"MTP was asked for (RuntimeOptions.mtp) but {path or 'this config'} has no multi-token-prediction "
+            "layers (config.json num_nextn_predict_layers is 0 or missing); load it without MTP"
+        )
     for line in padding_report(cfg, multiple, jnp.dtype(options.dtype).itemsize):
         log.info("padding %s", line)
     if load_format == "auto":
@@ -85,7 +90,9 @@ def load_model(
 
         state = restore_state(path / "orbax", abstract, sharding_for)
     else:
-        ckpt = DequantizingReader(SafetensorsCheckpoint(path), cfg.weight_quant, fp8_block=_fp8_block(options, cfg))
+        # A float main model may carry a block-FP8 MTP layer (model_config.mtp_weight_quant).
+        scheme = cfg.weight_quant or (cfg.mtp_weight_quant if options.mtp else None)
+        ckpt = DequantizingReader(SafetensorsCheckpoint(path), scheme, fp8_block=_fp8_block(options, cfg))
         if options.expert_format == "fp8":
             log.info("routed experts kept in FP8 (e4m3, %d x %d block scales)%s; other weights in %s",
                      ckpt.fp8_block, ckpt.fp8_block, "" if cfg.weight_quant else ", quantized on load", options.dtype)
@@ -121,6 +128,8 @@ def leaf_sources(cfg: ModelConfig, abstract) -> list[tuple[tuple, list[ParamSour
 def _safetensors_state(cfg, ckpt: DequantizingReader, abstract, sharding_for, options):
     flat = list(nnx.to_flat_state(abstract))
     leaf_srcs = leaf_sources(cfg, abstract)
+    if options.mtp:
+        _check_mtp_tensors(cfg, ckpt)
     # Validate every tensor up front: one clear error before any device memory is used.
     for _, src in leaf_srcs:
         for one in src if isinstance(src, list) else [src]:
@@ -149,6 +158,18 @@ def _safetensors_state(cfg, ckpt: DequantizingReader, abstract, sharding_for, op
             callback = _slice_reader(ckpt, src, shape, target)
         leaves.append(jax.make_array_from_callback(shape, sharding, callback))
     return _replace_leaves(abstract, leaves)
+
+
+def _check_mtp_tensors(cfg, ckpt) -> None:
+    """config.json promising MTP layers whose tensors were stripped (some re-packed checkpoints drop
+    layer 61): one error naming what is missing, not the first missing tensor deep in the layer."""
+    for j in range(cfg.num_mtp_layers):
+        name = f"model.layers.{mtp_layer_index(cfg, j)}.eh_proj.weight"
+        if name not in ckpt.ckpt:
+            raise CheckpointError(
+                f"config.json says num_nextn_predict_layers={cfg.num_mtp_layers} but the checkpoint has no "
+                f"{name!r} (its MTP layer tensors are missing); load it without MTP"
+            )
 
 
 def _slice_reader(ckpt, src: ParamSource, shape, target):

@@ -1,0 +1,63 @@
+"""DeepSeek-V3's multi-token-prediction (MTP) layer, the draft model of MTP speculative decoding.
+
+A checkpoint with `num_nextn_predict_layers` = n stores n extra layers at indices num_layers..
+(`model.layers.61.*` in DeepSeek-V3/R1): a full decoder layer (MLA + MoE, as `is_moe_layer(61)`
+says) plus `enorm`, `hnorm` (RMSNorms), `eh_proj` (Linear 2D -> D) and `shared_head.norm`.
+A step at position t takes token_{t+1} and hidden_t and predicts token_{t+2}:
+
+    x      = eh_proj(concat(enorm(embed(token_{t+1})), hnorm(hidden_t)))   # embedding half first
+    x      = decoder layer(x)          # its own latent KV cache: pool layer num_layers + j
+    hidden = shared_head.norm(x)       # this step's output hidden state
+    logits = head(hidden)              # the main model's LM head
+
+hidden_t of the first draft is the main model's final hidden state at t AFTER its final norm (the
+LM head's input), as vLLM (deepseek_mtp.py) and SGLang (deepseek_nextn.py) feed it; the concat
+order is theirs too. The next draft runs at position t+1 on the draft token and this step's output
+hidden (SGLang chains its one MTP layer so for K > 1 drafts). With n MTP layers, draft k uses
+layer j = (k - 1) % n (as vLLM cycles them); DeepSeek-V3/R1 have n = 1: every draft uses layer 0
+and its cache.
+
+The embedding and LM head are the main model's: the checkpoint's copies (`embed_tokens`,
+`shared_head.head`, equal to them in DeepSeek's releases) are not loaded and not checked
+(reading two vocab x hidden tensors to compare them would cost seconds of start-up for V3), and
+the export does not write them unless asked.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from splash_jax.layers import RMSNorm, init_param
+from splash_jax.model_config import ModelConfig
+
+
+class MTPLayer(nnx.Module):
+    """enorm, hnorm, eh_proj, one decoder layer and the shared-head norm (parameters only; the
+    model's `mtp_forward` supplies the embedding, the head, the pool and the parallel context)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, dtype, rngs, expert_format: str = "model", moe_impl: str = "auto"):
+        from splash_jax.model import DecoderLayer  # model.py imports this module lazily too
+
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype, rngs)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype, rngs)
+        self.eh_proj = init_param(rngs, (2 * d, d), dtype)  # [in, out]: rows :d multiply the embedding
+        # `index` is the checkpoint's layer index (num_layers + depth - 1): MoE or dense as it says.
+        self.decoder = DecoderLayer(cfg, index, dtype, rngs, expert_format, moe_impl)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype, rngs)  # shared_head.norm
+
+    def __call__(self, embedded, hidden, cos_sin, pools, batch, ctx):
+        """embedded [T, D] (embed(token_{t+k})), hidden [T, D] -> pre-norm output [T, D], pools.
+        `batch` already addresses this layer's pool layer (kv/cache.layer_batch)."""
+        e = self.enorm(embedded)
+        h = self.hnorm(hidden.astype(e.dtype))
+        x = jnp.concatenate([e, h], axis=-1) @ self.eh_proj[...]
+        return self.decoder(x, cos_sin, pools, batch, ctx)
+
+
+def build_mtp_layers(cfg: ModelConfig, dtype, rngs, expert_format: str, moe_impl: str) -> nnx.List:
+    """One MTPLayer per checkpoint MTP layer (DeepSeek-V3/R1: one, at index num_layers)."""
+    return nnx.List([
+        MTPLayer(cfg, cfg.num_layers + j, dtype, rngs, expert_format, moe_impl) for j in range(cfg.num_mtp_layers)
+    ])
