@@ -77,6 +77,16 @@ class EngineStatsCollector(Collector):
                             grammar.get("constrained_rows"))
         yield self._counter("splash_grammar_mask_seconds", "Host seconds spent filling grammar masks (on the grammar thread)",
                             grammar.get("mask_seconds"))
+        spec = s.get("speculative") or {}  # absent: speculation off (zeros)
+        yield self._counter("splash_spec_decode_verify_chunks", "Request-steps that verified speculative drafts",
+                            spec.get("verify_chunks"))
+        yield self._counter("splash_spec_decode_draft_tokens", "Speculative draft tokens verified", spec.get("draft_tokens"))
+        yield self._counter("splash_spec_decode_accepted_tokens", "Speculative draft tokens accepted", spec.get("accepted_tokens"))
+        per_chunk = CounterMetricFamily("splash_spec_decode_accepted_per_step",
+                                        "Verify chunks by the number of drafts they accepted", labels=["accepted"])
+        for a, count in enumerate(spec.get("accepted_histogram") or []):
+            per_chunk.add_metric([str(a)], self._counted(f"spec_accepted_{a}", count))
+        yield per_chunk
         switch = s.get("switch") or {}
         yield _gauge("splash_layout_switch_in_progress", "1 while a layout switch migrates", float(bool(switch)))
         yield _gauge("splash_layout_switch_progress", "Fraction of the switch's pages copied", float(switch.get("progress", 0.0)))

@@ -573,6 +573,22 @@ def test_prefix_cache_metrics_come_from_the_engine_stats_and_never_go_backwards(
     assert scrape() == (804, 444, 3, 4)
 
 
+def test_speculative_decoding_metrics_come_from_the_engine_stats():
+    from serve.metrics import ServerMetrics
+
+    stats: dict = {}
+    metrics = ServerMetrics(lambda: stats)
+    values = _metric_values(metrics.render().decode())
+    assert values["splash_spec_decode_draft_tokens_total"] == 0  # speculation off: zeros, same series
+    stats = {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "verify_chunks": 10, "draft_tokens": 27,
+                             "accepted_tokens": 15, "accepted_histogram": [2, 3, 4, 1]}}
+    text = metrics.render().decode()
+    values = _metric_values(text)
+    assert values["splash_spec_decode_verify_chunks_total"] == 10
+    assert values["splash_spec_decode_draft_tokens_total"] == 27 and values["splash_spec_decode_accepted_tokens_total"] == 15
+    assert 'splash_spec_decode_accepted_per_step_total{accepted="2"} 4.0' in text
+
+
 def test_prefix_cache_metrics_on_the_server():
     engine = FakeEngine()
     engine.prefix_cache_stats = {"enabled": True, "queries": 96, "hits": 64, "hit_rate": 2 / 3, "cached_pages": 5, "evictions": 1}
