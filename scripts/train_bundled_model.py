@@ -28,6 +28,7 @@ import logging
 import importlib.metadata
 import math
 import random
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -186,23 +187,35 @@ def balance_loss(cfg: ModelConfig, moe: MoE, h):
     return cfg.n_routed_experts * jnp.sum(share * prob)
 
 
-def forward(model: DeepseekForCausalLM, tokens):
-    """tokens [B, S] -> logits [B, S, V] (float32) and the summed balance loss."""
+def decoder_layer(cfg: ModelConfig, layer, x, cos_sin, b: int, s: int):
+    """One decoder layer over [B*S, D] rows -> (rows, its balance loss)."""
+    x = x + attention(layer.attn, layer.input_norm(x), cos_sin, b, s)
+    h = layer.post_attn_norm(x)
+    if isinstance(layer.mlp, MoE):
+        # differentiable path: the Pallas kernels have no VJP
+        return x + layer.mlp(h, None, "xla"), balance_loss(cfg, layer.mlp, h)
+    assert isinstance(layer.mlp, MLP)
+    return x + layer.mlp(h), 0.0
+
+
+def hidden_states(model: DeepseekForCausalLM, tokens):
+    """tokens [B, S] -> the final hidden state after the final norm [B*S, D] (the LM head's input,
+    what the MTP head consumes) and the summed balance loss."""
     b, s = tokens.shape
     x = model.embed[...][tokens.reshape(-1)]
     cos_sin = model.rope_cos_sin(jnp.tile(jnp.arange(s), b))
     aux = 0.0
     for layer in (model.layer(i) for i in range(model.cfg.num_layers)):  # scanned or unrolled models
-        x = x + attention(layer.attn, layer.input_norm(x), cos_sin, b, s)
-        h = layer.post_attn_norm(x)
-        if isinstance(layer.mlp, MoE):
-            aux = aux + balance_loss(model.cfg, layer.mlp, h)
-            x = x + layer.mlp(h, None, "xla")  # differentiable path: the Pallas kernels have no VJP
-        else:
-            assert isinstance(layer.mlp, MLP)
-            x = x + layer.mlp(h)
-    logits = jnp.dot(model.norm(x), model.lm_head[...], preferred_element_type=jnp.float32)
-    return logits.reshape(b, s, -1), aux
+        x, layer_aux = decoder_layer(model.cfg, layer, x, cos_sin, b, s)
+        aux = aux + layer_aux
+    return model.norm(x), aux
+
+
+def forward(model: DeepseekForCausalLM, tokens):
+    """tokens [B, S] -> logits [B, S, V] (float32) and the summed balance loss."""
+    h, aux = hidden_states(model, tokens)
+    logits = jnp.dot(h, model.lm_head[...], preferred_element_type=jnp.float32)
+    return logits.reshape(tokens.shape + (-1,)), aux
 
 
 def loss_fn(model, batch, aux_weight: float):
@@ -320,8 +333,21 @@ def main(argv=None):
                         help="stdlib and/or packages (installed packages under permissive licenses)")
     parser.add_argument("--max-corpus-mb", type=float, default=150.0, help="cap on the corpus text")
     parser.add_argument("--seed", type=int, default=0)
+    mtp = parser.add_argument_group("MTP head (scripts/train_mtp_head.py)")
+    mtp.add_argument("--mtp", action="store_true", help="after the main model, train its MTP draft head")
+    mtp.add_argument("--mtp-only", type=Path, default=None, metavar="FOLDER",
+                     help="train only the MTP head of the model in FOLDER (frozen); write the new files to --out")
+    mtp.add_argument("--mtp-minutes", type=float, default=3.0, help="the MTP head's training budget")
+    mtp.add_argument("--deadline-minutes", type=float, default=1e6,
+                     help="MTP: stop training this long after start, less --reserve-seconds (a hard wall-clock limit)")
+    mtp.add_argument("--reserve-seconds", type=float, default=60.0, help="MTP: time kept for export and evaluation")
+    mtp.add_argument("--greedy-prompts", type=int, default=64, help="MTP: held-out prompts for the greedy acceptance")
+    mtp.add_argument("--greedy-prompt-len", type=int, default=128)
+    mtp.add_argument("--greedy-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.mtp_only:
+        return train_mtp_head(args, args.mtp_only, args.out)
 
     train_files, held_files, licenses = corpus_files(args.sources, args.files, args.max_corpus_mb)
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
@@ -354,8 +380,26 @@ def main(argv=None):
     (args.out / "README.md").write_text(model_card(cfg, stats, data, tc, params))
     (args.out / "training.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "stats": stats, "data": data, "params": params}, indent=2))
+    if args.mtp:
+        train_mtp_head(args, args.out, args.out)
     size = sum(p.stat().st_size for p in args.out.iterdir())
     log.info("wrote %s (%.1f MB)", args.out, size / 2**20)
+
+
+def train_mtp_head(args, src: Path, out: Path) -> dict:
+    """Train the MTP head of the model in `src` (scripts/train_mtp_head.py) and write model-mtp.safetensors,
+    config.json, training.json ("mtp") and the model card's MTP section into `out` (src may equal out)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import train_mtp_head as head
+
+    result = head.run_mtp_only(args, src, out)
+    record = json.loads((src / "training.json").read_text()) if (src / "training.json").exists() else {}
+    record["mtp"] = {"args": {k: str(v) for k, v in vars(args).items()}} | result
+    (out / "training.json").write_text(json.dumps(record, indent=2))
+    card = (src / "README.md").read_text() if (src / "README.md").exists() else "# model\n"
+    (out / "README.md").write_text(head.replace_section(card, head.card_section(result)))
+    log.info("MTP head written to %s (%.2f MiB)", out, result["bytes"] / 2**20)
+    return result
 
 
 if __name__ == "__main__":
