@@ -43,7 +43,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from splash_jax.layers import MLP
 from splash_jax.model import DeepseekForCausalLM, RuntimeOptions
 from splash_jax.model_config import ModelConfig, RopeConfig
-from splash_jax.moe import MoE, route
+from splash_jax.moe import MoE, route, router_logits
 from splash_jax.rope import apply_rope
 from splash_jax.weights.export import save_hf_folder
 
@@ -187,18 +187,26 @@ def balance_loss(cfg: ModelConfig, moe: MoE, h):
     return cfg.n_routed_experts * jnp.sum(share * prob)
 
 
-def decoder_layer(cfg: ModelConfig, layer, x, cos_sin, b: int, s: int):
-    """One decoder layer over [B*S, D] rows -> (rows, its balance loss)."""
-    x = x + attention(layer.attn, layer.input_norm(x), cos_sin, b, s)
+def decoder_layer(cfg: ModelConfig, layer, x, cos_sin, b: int, s: int, attend=None):
+    """One decoder layer over [B*S, D] rows -> (rows, its balance loss). `attend`: the attention
+    function (default `attention`, the absorbed form)."""
+    x = x + (attend or attention)(layer.attn, layer.input_norm(x), cos_sin, b, s)
     h = layer.post_attn_norm(x)
     if isinstance(layer.mlp, MoE):
-        # differentiable path: the Pallas kernels have no VJP
-        return x + layer.mlp(h, None, "xla"), balance_loss(cfg, layer.mlp, h)
+        return x + moe_xla(cfg, layer.mlp, h), balance_loss(cfg, layer.mlp, h)
     assert isinstance(layer.mlp, MLP)
     return x + layer.mlp(h), 0.0
 
 
-def hidden_states(model: DeepseekForCausalLM, tokens):
+def moe_xla(cfg: ModelConfig, moe: MoE, h):
+    """The MoE on its XLA paths only (routing included): differentiable on every backend (on GPUs
+    MoE.__call__ routes with a Pallas kernel, which has no VJP)."""
+    ids, weights = route(cfg, router_logits(h, moe.router[...]), moe.router_bias[...] if cfg.topk_method == "noaux_tc" else None)
+    out = moe.routed(h, ids, weights, "xla")
+    return out + moe.shared(h) if cfg.n_shared_experts else out
+
+
+def hidden_states(model: DeepseekForCausalLM, tokens, attend=None):
     """tokens [B, S] -> the final hidden state after the final norm [B*S, D] (the LM head's input,
     what the MTP head consumes) and the summed balance loss."""
     b, s = tokens.shape
@@ -206,7 +214,7 @@ def hidden_states(model: DeepseekForCausalLM, tokens):
     cos_sin = model.rope_cos_sin(jnp.tile(jnp.arange(s), b))
     aux = 0.0
     for layer in (model.layer(i) for i in range(model.cfg.num_layers)):  # scanned or unrolled models
-        x, layer_aux = decoder_layer(model.cfg, layer, x, cos_sin, b, s)
+        x, layer_aux = decoder_layer(model.cfg, layer, x, cos_sin, b, s, attend)
         aux = aux + layer_aux
     return model.norm(x), aux
 
@@ -341,9 +349,10 @@ def main(argv=None):
     mtp.add_argument("--deadline-minutes", type=float, default=1e6,
                      help="MTP: stop training this long after start, less --reserve-seconds (a hard wall-clock limit)")
     mtp.add_argument("--reserve-seconds", type=float, default=60.0, help="MTP: time kept for export and evaluation")
-    mtp.add_argument("--greedy-prompts", type=int, default=64, help="MTP: held-out prompts for the greedy acceptance")
-    mtp.add_argument("--greedy-prompt-len", type=int, default=128)
-    mtp.add_argument("--greedy-new-tokens", type=int, default=64)
+    mtp.add_argument("--mtp-eval-tokens", type=int, default=65536, help="MTP: positions per final held-out measurement")
+    mtp.add_argument("--greedy-prompts", type=int, default=32, help="MTP: held-out prompts for the greedy acceptance")
+    mtp.add_argument("--greedy-prompt-len", type=int, default=96)
+    mtp.add_argument("--greedy-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.mtp_only:

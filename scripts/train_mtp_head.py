@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -42,6 +43,7 @@ import train_bundled_model as tb  # noqa: E402  (the corpus, the causal forward,
 
 from splash_jax.model import RuntimeOptions  # noqa: E402
 from splash_jax.mtp import MTPLayer  # noqa: E402
+from splash_jax.rope import apply_rope  # noqa: E402
 from splash_jax.weights.export import hf_tensors  # noqa: E402
 from splash_jax.weights.fp8 import is_block_fp8_linear, quantization_config, quantize_checkpoint  # noqa: E402
 from splash_jax.weights.loader import load_model  # noqa: E402
@@ -51,6 +53,29 @@ MTP_FILE = "model-mtp.safetensors"
 KEEP_F32 = ("mlp.gate.weight", "e_score_correction_bias")  # the router, as the main export keeps it
 
 
+def expanded_attention(attn, x, cos_sin, b: int, s: int):
+    """Causal MLA over [B*S, D] rows in the non-absorbed form (keys and values expanded per head
+    from the latent): the same function as `tb.attention`, ~5x fewer FLOPs at these widths (the
+    absorbed form contracts over the 576-wide latent), which is what makes CPU training bearable."""
+    cfg = attn.cfg
+    q_nope, q_pe = attn.queries(x)
+    q_pe = apply_rope(q_pe, cos_sin, cfg.rope.interleaved)
+    c, k_pe = attn.latent(x)
+    k_pe = apply_rope(k_pe, cos_sin, cfg.rope.interleaved)
+    k_nope = jnp.einsum("tl,lhn->thn", c, attn.w_uk[...]).reshape(b, s, -1, cfg.qk_nope_head_dim)
+    v = jnp.einsum("tl,lhv->thv", c, attn.w_uv[...]).reshape(b, s, -1, cfg.v_head_dim)
+    q_nope, q_pe = q_nope.reshape(k_nope.shape[:2] + q_nope.shape[1:]), q_pe.reshape((b, s) + q_pe.shape[1:])
+    scores = jnp.einsum("bqhn,bkhn->bhqk", q_nope, k_nope) + jnp.einsum("bqhr,bkr->bhqk", q_pe, k_pe.reshape(b, s, -1))
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores.astype(jnp.float32) * cfg.softmax_scale, -jnp.inf)
+    o = jnp.einsum("bhqk,bkhv->bqhv", jax.nn.softmax(scores, -1).astype(v.dtype), v)
+    return attn.project(o.reshape(b * s, o.shape[2], -1))
+
+
+def main_hidden(model, tokens):
+    """The frozen main model's final hidden state (after its final norm) [B*S, D]."""
+    return tb.hidden_states(model, tokens, expanded_attention)[0]
+
+
 def mtp_logits(model, mtp: MTPLayer, next_tokens, hidden):
     """The MTP step over whole sequences (no paged cache): next_tokens [B, S] (token t+1 at slot t),
     hidden [B*S, D] (h_t) -> logits [B, S, V] float32 for token t+2, balance loss."""
@@ -58,7 +83,7 @@ def mtp_logits(model, mtp: MTPLayer, next_tokens, hidden):
     e = mtp.enorm(model.embed[...][next_tokens.reshape(-1)])
     x = jnp.concatenate([e, mtp.hnorm(hidden)], axis=-1) @ mtp.eh_proj[...]
     cos_sin = model.rope_cos_sin(jnp.tile(jnp.arange(s), b))
-    x, aux = tb.decoder_layer(model.cfg, mtp.decoder, x, cos_sin, b, s)
+    x, aux = tb.decoder_layer(model.cfg, mtp.decoder, x, cos_sin, b, s, expanded_attention)
     logits = jnp.dot(mtp.norm(x), model.lm_head[...], preferred_element_type=jnp.float32)
     return logits.reshape(b, s, -1), aux
 
@@ -80,7 +105,8 @@ def _split_batch(batch, seq):
     return batch[:, :seq], batch[:, 1 : seq + 1], batch[:, 2 : seq + 2]
 
 
-def train_mtp(model, mtp: MTPLayer, train_ids, held_ids, tc: MTPTrainConfig, seed: int, deadline: float) -> dict:
+def train_mtp(model, mtp: MTPLayer, train_ids, held_ids, tc: MTPTrainConfig, seed: int, deadline: float,
+              on_best=None) -> dict:
     """AdamW on the MTP parameters only; warm-up then cosine to lr/10 over the time budget; the
     parameters with the lowest held-out MTP loss are kept (checked every eval_every steps)."""
     mgraph, mparams = nnx.split(model, nnx.Param)
@@ -93,7 +119,7 @@ def train_mtp(model, mtp: MTPLayer, train_ids, held_ids, tc: MTPTrainConfig, see
     def losses(p, mp, batch):
         main = nnx.merge(mgraph, mp)
         inputs, nxt, target = _split_batch(batch, tc.seq)
-        hidden = jax.lax.stop_gradient(tb.hidden_states(main, inputs)[0])  # frozen main model
+        hidden = jax.lax.stop_gradient(main_hidden(main, inputs))  # frozen main model
         logits, aux = mtp_logits(main, nnx.merge(graphdef, p), nxt, hidden)
         return optax.softmax_cross_entropy_with_integer_labels(logits, target).mean(), aux
 
@@ -131,6 +157,8 @@ def train_mtp(model, mtp: MTPLayer, train_ids, held_ids, tc: MTPTrainConfig, see
             log.info("mtp step %d loss %.3f held-out %.3f lr %.2e (%.0fs)", done, float(nll), h, lr, time.perf_counter() - t0)
             if h < best[0]:
                 best = (h, done, params, float(nll))
+                if on_best:  # written as it goes: an interrupted run keeps its best head
+                    on_best(params)
     h = held_out(params)
     if h < best[0]:
         best = (h, done, params, float(nll))
@@ -151,7 +179,7 @@ def mtp_metrics(model, mtp: MTPLayer, batches, seq: int) -> dict:
     @jax.jit
     def counts(mstate, hstate, batch):
         main, head = nnx.merge(mgraph, mstate), nnx.merge(hgraph, hstate)
-        hidden = tb.hidden_states(main, batch[:, : seq + 1])[0].reshape(batch.shape[0], seq + 1, -1)
+        hidden = main_hidden(main, batch[:, : seq + 1]).reshape(batch.shape[0], seq + 1, -1)
         main_next = jnp.dot(hidden[:, 1:], main.lm_head[...], preferred_element_type=jnp.float32).argmax(-1)
         _, nxt, target = _split_batch(batch, seq)
         logits, _ = mtp_logits(main, head, nxt, hidden[:, :seq].reshape(-1, hidden.shape[-1]))
@@ -181,7 +209,7 @@ def greedy_acceptance(model, mtp: MTPLayer, prompts: np.ndarray, new_tokens: int
     @jax.jit
     def next_token(mstate, tokens, pos):
         main = nnx.merge(mgraph, mstate)
-        h = tb.hidden_states(main, tokens)[0].reshape(b, total, -1)
+        h = main_hidden(main, tokens).reshape(b, total, -1)
         return jnp.dot(h[:, pos - 1], main.lm_head[...], preferred_element_type=jnp.float32).argmax(-1)
 
     for pos in range(p, total):  # one fixed-shape program: positions past pos do not reach pos - 1
@@ -190,7 +218,7 @@ def greedy_acceptance(model, mtp: MTPLayer, prompts: np.ndarray, new_tokens: int
     @jax.jit
     def drafts(mstate, hstate, tokens):
         main, head = nnx.merge(mgraph, mstate), nnx.merge(hgraph, hstate)
-        h = tb.hidden_states(main, tokens[:, :-1])[0]
+        h = main_hidden(main, tokens[:, :-1])
         return mtp_logits(main, head, tokens[:, 1:], h)[0].argmax(-1)  # slot t predicts t+2
 
     d = np.asarray(drafts(mstate, hstate, jnp.asarray(seqs)))  # [B, total-1]
@@ -249,26 +277,49 @@ def run_mtp_only(args, src: Path, out: Path) -> dict:
     mtp = MTPLayer(cfg, cfg.num_layers, jnp.float32, nnx.Rngs(args.seed + 1))
     tc = MTPTrainConfig(args.mtp_minutes, args.batch, args.seq, args.lr, args.warmup, args.aux_weight,
                         args.eval_batches, args.eval_every)
-    stats = train_mtp(model, mtp, train_ids, held_ids, tc, args.seed, deadline)
-    log.info("mtp trained: %s", stats)
-
     out.mkdir(parents=True, exist_ok=True)
-    save_file(mtp_checkpoint_tensors(model, mtp), str(out / MTP_FILE), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(mtp_config(config, cfg.num_layers), indent=2) + "\n")
 
-    held = tb.batches(held_ids, tc.batch, tc.seq + 1, np.random.default_rng(2))
-    eval_batches = [next(held) for _ in range(tc.eval_batches)]
+    def save(params=None):
+        if params is not None:
+            nnx.update(mtp, params)
+        save_file(mtp_checkpoint_tensors(model, mtp), str(out / MTP_FILE), metadata={"format": "pt"})
+
+    stats = train_mtp(model, mtp, train_ids, held_ids, tc, args.seed, deadline, on_best=save)
+    log.info("mtp trained: %s", stats)
+    save()
+
     served = served_model(src, out)
-    metrics = {"fp8_stored": mtp_metrics(served, served.mtp[0], eval_batches, tc.seq),
-               "float32_trained": mtp_metrics(model, mtp, eval_batches, tc.seq)}
-    prompts = tb.batches(held_ids, args.greedy_prompts, args.greedy_prompt_len - 1, np.random.default_rng(3))
-    metrics["greedy_continuations"] = greedy_acceptance(served, served.mtp[0], next(prompts), args.greedy_new_tokens)
+    repo_files = repo_code_files()
+    repo_ids = tb.token_stream(tok, tb.read_texts(repo_files))
+    n = max(1, args.mtp_eval_tokens // (tc.batch * tc.seq))
+    sets = {"corpus_held_out": held_ids, "repo_code": repo_ids}
+    evals = {k: [next(tb.batches(ids, tc.batch, tc.seq + 1, np.random.default_rng(2 + i))) for i in range(n)]
+             for k, ids in sets.items()}
+    metrics = {f"fp8_stored_{k}": mtp_metrics(served, served.mtp[0], b, tc.seq) for k, b in evals.items()}
+    metrics["float32_trained_corpus_held_out"] = mtp_metrics(model, mtp, evals["corpus_held_out"], tc.seq)
+    prompts = tb.batches(repo_ids, args.greedy_prompts, args.greedy_prompt_len - 1, np.random.default_rng(3))
+    metrics["greedy_continuations_repo_code"] = greedy_acceptance(served, served.mtp[0], next(prompts), args.greedy_new_tokens)
     log.info("mtp metrics: %s", json.dumps(metrics))
     size = (out / MTP_FILE).stat().st_size
     return {"stats": stats, "metrics": metrics, "config": dataclasses.asdict(tc), "bytes": size,
             "held_files": len(held_files), "train_files": len(train_files), "held_tokens": len(held_ids),
-            "device": jax.devices()[0].device_kind, "total_seconds": time.perf_counter() - t_start}
+            "repo_files": len(repo_files), "repo_tokens": len(repo_ids),
+            "device": device_name(), "total_seconds": time.perf_counter() - t_start}
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return f"{os.cpu_count()} CPU cores" if d.platform == "cpu" else d.device_kind
+
+
+def repo_code_files() -> list[Path]:
+    """This repository's own Python: in neither model's training data (the corpus is the standard
+    library and installed packages that declare a permissive license; splash-jax declares none)."""
+    repo = Path(__file__).resolve().parents[1]
+    dirs = ("splash_jax", "serve", "benchmarks", "tests", "scripts", "pallas_kernels")
+    return sorted(p for d in dirs for p in (repo / d).rglob("*.py") if not {"fixtures", "__pycache__"} & set(p.parts))
 
 
 SECTION = "## MTP draft head"
@@ -277,31 +328,42 @@ SECTION = "## MTP draft head"
 def card_section(result: dict) -> str:
     """The model card's MTP section (written by the script; replaces an earlier one)."""
     st, m, tc = result["stats"], result["metrics"], result["config"]
-    fp8, f32, g = m["fp8_stored"], m["float32_trained"], m["greedy_continuations"]
+    held, repo, f32 = m["fp8_stored_corpus_held_out"], m["fp8_stored_repo_code"], m["float32_trained_corpus_held_out"]
+    g = m["greedy_continuations_repo_code"]
+
+    def row(name, x):
+        return (f"| {name} | {x['tokens']:,} | {x['mtp_loss']:.3f} | {x['mtp_top1_vs_true_t2']:.1%} | "
+                f"{x['mtp_top1_vs_main_greedy']:.1%} | {x['main_top1_vs_true_t2']:.1%} |")
+
     return f"""{SECTION}
 A DeepSeek-V3 multi-token-prediction layer (`model.layers.4.*` in `{MTP_FILE}`, config.json
 `num_nextn_predict_layers: 1`): the draft model of MTP speculative decoding (`RuntimeOptions(mtp=True)`,
-`splash_jax/mtp.py`). It was trained by `scripts/train_bundled_model.py --mtp-only` with DeepSeek-V3's
-next-token objective on top of the frozen model above (its weights are unchanged, byte for byte): from
-the main model's final hidden state h_t (after its final norm) and the embedding of token t+1, predict
-token t+2 through the shared LM head.
+`splash_jax/mtp.py`). Trained by `scripts/train_bundled_model.py --mtp-only` with DeepSeek-V3's MTP
+objective on top of the frozen model above (its weights and `model.safetensors` are unchanged, byte
+for byte): from the main model's final hidden state h_t (after its final norm) and the embedding of
+token t+1, predict token t+2 through the shared LM head.
 
 - Training: {st['steps']} steps of batch {tc['batch']} x {tc['seq']} tokens ({st['tokens_seen']:,} tokens,
   {st['seconds'] / 60:.1f} min on {result['device']}), AdamW (peak lr {tc['lr']}, warm-up {tc['warmup']}, cosine to
   lr/10 over the time budget), balance loss {tc['aux_weight']}; kept step {st['kept_step']} (lowest held-out loss);
-  training loss {st['final_train_loss']:.3f}, held-out MTP loss {st['held_out_loss']:.3f} nats (token t+2).
-- Stored as DeepSeek-V3's release stores its weights: every linear in block FP8 (e4m3 + float32
+  training loss {st['final_train_loss']:.3f}, held-out MTP loss {st['held_out_loss']:.3f} nats per token t+2.
+- Stored as DeepSeek-V3's release stores its weights: every linear in block FP8 (e4m3 + a float32
   `weight_scale_inv` per 128 x 128 block), norms bf16, router float32: {result['bytes'] / 2**20:.2f} MiB
   (quantization_config's modules_to_not_convert names the bf16 main model).
-- Held-out, {fp8['tokens']:,} positions of files never trained on, the stored FP8 weights through the
-  engine's loader (float32 trained weights in brackets):
-  - MTP loss {fp8['mtp_loss']:.3f} nats ({f32['mtp_loss']:.3f}); top-1 accuracy against the true token t+2
-    **{fp8['mtp_top1_vs_true_t2']:.1%}** ({f32['mtp_top1_vs_true_t2']:.1%}); the main model's own top-1 for that token,
-    one position later with token t+1 known, is {fp8['main_top1_vs_true_t2']:.1%}.
-  - top-1 agreement with the main model's greedy next token (true text up to t+1): **{fp8['mtp_top1_vs_main_greedy']:.1%}**
-    ({f32['mtp_top1_vs_main_greedy']:.1%}): the acceptance rate greedy speculation with K=1 would see on this text.
-  - along the main model's own greedy continuations ({g['prompts']} held-out prompts of {g['prompt_tokens']} tokens,
-    {g['new_tokens']} new tokens each, {g['drafts']:,} drafts): K=1 acceptance **{g['acceptance']:.1%}**.
+- Held-out numbers, measured on the stored FP8 weights through the engine's loader. "vs main greedy" is
+  the MTP draft's agreement with the main model's own greedy prediction of token t+2 (true text up to
+  t+1): the acceptance rate greedy speculation with K=1 would see on that text. The last column is
+  the main model's own top-1 for token t+2, one position later, for scale.
+
+| text | positions | MTP loss (nats) | MTP top-1 vs true t+2 | MTP top-1 vs main greedy | main top-1 vs true t+2 |
+|---|---|---|---|---|---|
+{row(f"corpus held-out files ({result['held_files']}, every 50th)", held)}
+{row(f"this repository's Python ({result['repo_files']} files, in no training data)", repo)}
+{row("corpus held-out, float32 weights before FP8 storage", f32)}
+
+- Along the main model's own greedy continuations ({g['prompts']} prompts of {g['prompt_tokens']} tokens from this
+  repository's code, {g['new_tokens']} new tokens each, {g['drafts']:,} drafts), K=1 acceptance is
+  **{g['acceptance']:.1%}**: what greedy speculative decoding accepts.
 """
 
 
