@@ -332,3 +332,134 @@ def test_training_forward_equals_mtp_forward(ckpt):
     want, _, _ = model.mtp_forward(model.new_cache(PAGES, PAGE), batch(tokens, 0), hidden)
     got, aux = train_mtp_head.mtp_logits(model, model.mtp[0], jnp.asarray(tokens)[None], jnp.asarray(hidden))
     assert rel(got[0], np.asarray(want)) < 1e-5 and float(aux) > 0
+
+
+# --- the MTP layer in every layout (8 simulated CPU devices) -----------------------------------
+N_DEV, REQ_PAGES = 8, 8
+PROMPTS = {"a": 14, "b": 23, "c": 6}  # tokens per request
+OWNERS = {"a": 0, "b": 3, "c": 7}
+# (request, first position, tokens): prefills, then chunked prefill + decode + a new prefill, then decode.
+STEPS = [[("a", 0, 10), ("b", 0, 21)], [("a", 10, 3), ("b", 21, 1), ("c", 0, 5)], [("a", 13, 1), ("b", 22, 1), ("c", 5, 1)]]
+
+
+def _packed_steps(n, owner_rows, placement, alloc, segments):
+    """STEPS packed by the engine's packer for n devices, pages allocated as the scheduler does."""
+    from splash_jax.engine.request import Request, SamplingParams
+    from splash_jax.engine.sampler import SamplerWidths
+    from splash_jax.engine.scheduler import ScheduledChunk
+    from splash_jax.engine.step_packer import SlotSampling, StepShape, host_step_input, pack_step
+    from splash_jax.kv.page_table import PageTables
+
+    rng = np.random.default_rng(7)
+    widths = SamplerWidths(1, 1)
+    tables = PageTables(n, len(PROMPTS), REQ_PAGES)
+    requests = {r: Request(r, rng.integers(0, CFG.vocab_size, k).tolist(), SamplingParams(), slot=i,
+                           owner=OWNERS[r] % n, device_pages=[[] for _ in range(n)]) for i, (r, k) in enumerate(PROMPTS.items())}
+    shape = StepShape(32, 4, n, segments, REQ_PAGES, owner_rows, widths)
+    for spec in STEPS:
+        chunks = []
+        for r, s, k in spec:
+            req = requests[r]
+            for d, count in enumerate(placement.pages_needed(n, req.owner, req.device_pages, s + k, PAGE)):
+                pages = alloc.allocate(count, d)
+                req.device_pages[d] += pages
+                tables.append(req.slot, d, pages, placement, alloc)
+            chunks.append(ScheduledChunk(req, s, k, False))
+        packed = pack_step(shape, chunks, tables, SlotSampling(len(PROMPTS), widths, ()), PAGE)
+        yield len(spec), jax.tree.map(jnp.asarray, host_step_input(shape, packed))
+
+
+def _hidden(tokens, positions):
+    """A previous-depth hidden state per token slot, a function of (token, position) only, so every
+    layout's slot order feeds each token the same one."""
+    rng = np.random.default_rng(11)
+    by_token = jnp.asarray(rng.standard_normal((CFG.vocab_size, CFG.hidden_size)), jnp.float32)
+    by_pos = jnp.asarray(rng.standard_normal((64, CFG.hidden_size)), jnp.float32)
+    return by_token[tokens] + by_pos[positions]
+
+
+def _single_device(folder):
+    from splash_jax.kv.allocator import PageAllocator
+    from splash_jax.kv.placement import OWNER
+
+    model = load_model(folder, OPTS)
+    kv = model.new_cache(64, PAGE)
+    step = jax.jit(lambda m, kv, b: m.mtp_forward(kv, b, _hidden(b.tokens, b.positions)))
+    out = []
+    for num, b in _packed_steps(1, False, OWNER, PageAllocator(1, 64, PAGE), 1):
+        local = StepInput(b.tokens, b.positions, b.token_request[0], b.write_page[0, 0], b.write_offset[0],
+                          b.kv_lens[0, 0], b.page_table[0, 0], b.logits_index)
+        logits, hidden, kv = step(model, kv, local)
+        out.append((np.asarray(logits[:num]), np.asarray(hidden[:num])))
+    return out
+
+
+def _in_layout(folder, name):
+    from jax.sharding import NamedSharding, PartitionSpec as Spec
+
+    from splash_jax.attention.layouts import ShardedContext
+    from splash_jax.engine.executor import param_specs
+    from splash_jax.kv.allocator import PageAllocator
+    from splash_jax.mesh.layouts import AXIS, POOL_SPEC, get_layout, make_mesh, param_sharding_fn
+
+    layout, mesh = get_layout(name), make_mesh(N_DEV)
+    model = load_model(folder, OPTS, sharding_for=param_sharding_fn(layout, mesh))  # heads padded 4 -> 8
+    base, extra = (2, 14) if layout.heads_sharded else (16, 0)  # head-sharded: requests spill into the extra segment
+    kv = model.new_cache(N_DEV * base, PAGE, NamedSharding(mesh, POOL_SPEC), extra_pages=N_DEV * extra)
+    assert kv.num_layers == L + 1
+    graphdef, state = nnx.split(model)
+    ctx = ShardedContext(layout, N_DEV, "xla")
+    per_device_fields = ("token_request", "write_page", "write_offset", "kv_lens", "page_table")
+
+    def per_device(state, kv, batch, hidden):
+        local = dataclasses.replace(batch, **{f: getattr(batch, f)[0] for f in per_device_fields})
+        return nnx.merge(graphdef, state).mtp_forward(kv, local, hidden, ctx=ctx)
+
+    kv_specs = jax.tree.map(lambda _: POOL_SPEC, kv)
+    d = Spec(AXIS)
+    batch_specs = StepInput(Spec(), Spec(), d, d, d, d, d, Spec())
+
+    @jax.jit
+    def step(state, kv, batch):
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs(state, layout), kv_specs, batch_specs, Spec()),
+                             out_specs=(Spec(), Spec(), kv_specs), check_vma=False)(
+            state, kv, batch, _hidden(batch.tokens, batch.positions))
+
+    alloc = PageAllocator(N_DEV, base, PAGE, extra)
+    out = []
+    for num, b in _packed_steps(N_DEV, layout.owner_rows, layout.kv_placement, alloc, 2 if extra else 1):
+        logits, hidden, kv = step(state, kv, b)
+        out.append((np.asarray(logits[:num]), np.asarray(hidden[:num])))
+    if extra:
+        assert alloc.extra_pages_in_use() > 0
+    return out
+
+
+def test_mtp_parameters_shard_like_a_decoder_layer():
+    """The rule tables place the MTP layer's decoder exactly as a main MoE layer's (head-sharded
+    attention where the layout shards heads, experts by expert); eh_proj and its norms replicated."""
+    from splash_jax.mesh.layouts import LAYOUTS
+    from splash_jax.weights.loader import abstract_model
+
+    _, state = abstract_model(CFG, dataclasses.replace(OPTS, scan_layers=False))
+    paths = [tuple(p) for p, _ in nnx.to_flat_state(state)]
+    mtp_paths = [p for p in paths if p[0] == "mtp"]
+    assert len(mtp_paths) > 20
+    for layout in LAYOUTS.values():
+        for path in mtp_paths:
+            if path[2] == "decoder":
+                assert layout.param_spec(path) == layout.param_spec(("layers", 1) + path[3:]), (layout.name, path)
+            else:
+                assert layout.param_spec(path) == jax.sharding.PartitionSpec(), (layout.name, path)
+
+
+@pytest.fixture(scope="module")
+def single_device(ckpt):
+    return _single_device(ckpt[0])
+
+
+@pytest.mark.parametrize("name", ["tp", "dp", "dop", "cp"])
+def test_mtp_attention_in_every_layout_matches_single_device(ckpt, single_device, name):
+    for step, ((logits, hidden), (want_logits, want_hidden)) in enumerate(zip(_in_layout(ckpt[0], name), single_device)):
+        assert rel(logits, want_logits) < 1e-4, (name, step)
+        assert rel(hidden, want_hidden) < 1e-4, (name, step)
