@@ -11,6 +11,10 @@ Decoder layers run under `lax.scan` by default (`RuntimeOptions.scan_layers`): o
 per layer group (splash_jax/layer_groups.py), so compile time does not grow with depth. The
 unrolled form (one module per layer, a Python loop) stays available for comparison. Both read
 and write the stacked KV pool the same way (kv/cache.py: flat views, per-layer page offsets).
+
+With `RuntimeOptions.mtp` the checkpoint's multi-token-prediction layers (splash_jax/mtp.py) are
+built too: `mtp_forward` runs one draft step on the main model's `return_hidden` output, its latents
+in pool layers num_layers.. (same pages, same page tables as the main layers).
 """
 
 from __future__ import annotations
