@@ -498,7 +498,7 @@ class Engine:
         for i, first, count in step.prompt_rows:
             collect_prompt_logprobs(step.chunks[i].request, logprobs, first, count)
         outputs, at = [], {}  # one delta per request (a verify chunk applies several tokens)
-        for update in self.scheduler.update(step.chunks, step.rows, tokens):
+        for update in self.scheduler.apply_tokens(step.chunks, step.rows, tokens):
             out, hit = self.outputs.process(update, logprobs, now)
             if hit is not None:  # before the request's next token is applied: that one is dropped
                 update.request.stop_reason = hit

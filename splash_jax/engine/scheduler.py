@@ -447,11 +447,15 @@ class Scheduler:
         self.tables = tables
 
     # --- after a step -------------------------------------------------------------------------
-    def update(self, chunks: list[ScheduledChunk], rows: list[int], tokens):
+    def update(self, chunks: list[ScheduledChunk], rows: list[int], tokens) -> list[TokenUpdate]:
+        """Apply all of a finished step's sampled tokens (token-level stops only); see apply_tokens."""
+        return list(self.apply_tokens(chunks, rows, tokens))
+
+    def apply_tokens(self, chunks: list[ScheduledChunk], rows: list[int], tokens):
         """Apply a finished step's sampled tokens (tokens[rows[i]] for the i-th sampling chunk; a
         chunk with K drafts reads rows[i] - K .. rows[i]), yielding a TokenUpdate per token as it
         is applied: a caller that finishes a request (a stop string) before the next one drops the
-        request's later tokens."""
+        request's later tokens. Nothing is applied until the generator is consumed."""
         for chunk, row in zip((c for c in chunks if c.samples), rows):
             request = chunk.request
             request.num_pending -= 1
