@@ -75,7 +75,9 @@ class EngineConfig:
     switch_plan_pages: int = 1024
     overlap_scheduling: bool = True  # dispatch step k+1 before step k's tokens reach the host
     # Speculative decoding: off | ngram (drafts from the request's own prompt and output, prompt
-    # lookup; no model). Verified exactly in one step of the target model (engine/speculative.py):
+    # lookup; no model) | mtp (drafts from the checkpoint's multi-token-prediction layer, DeepSeek-V3's
+    # num_nextn_predict_layers, chained K times; loaded only then, its latents in an extra pool layer:
+    # engine/mtp_draft.py). Verified exactly in one step of the target model (engine/speculative.py):
     # greedy outputs are those of decoding one token per step, sampled ones follow the target
     # distribution. Steps then run without overlap (drafting needs every token on the host).
     speculative_method: str = "off"

@@ -38,7 +38,7 @@ from splash_jax.engine.output_processor import OutputProcessor
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode, SamplerWidths, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
-from splash_jax.engine.speculative import NgramDrafter
+from splash_jax.engine.speculative import MtpDrafter, NgramDrafter
 from splash_jax.engine.step_packer import SlotSampling, pack_step
 from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.engine.warmup import run_every_program_once
@@ -95,32 +95,42 @@ class Engine:
         if fp8_checkpoint and expert_format == "model":
             log.info("FP8 checkpoint: routed experts dequantized to %s; --expert-weights fp8 keeps them in FP8 "
                      "(half the expert memory)", dtype)
+        # The MTP layer is loaded (and its latents pooled) only for --speculative-method mtp.
+        mtp = config.speculative_method == "mtp"
+        if mtp:
+            _check_mtp(model, path)
         options = RuntimeOptions(
             dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.scan_layers,
-            expert_format=expert_format, moe_impl=config.moe_impl,
+            expert_format=expert_format, moe_impl=config.moe_impl, mtp=mtp,
         )
         self.model = model or load_model(
             path, options, sharding_for=param_sharding_fn(self.layout, self.mesh),
             load_format=config.load_format, seed=config.seed,
         )
         self.model_config = self.model.cfg
+        self.num_mtp_layers = self.model.num_mtp_layers if mtp else 0
+        if mtp and not self.num_mtp_layers:
+            raise ValueError("--speculative-method mtp needs the model built with its MTP layer "
+                             "(RuntimeOptions(mtp=True) from a checkpoint with num_nextn_predict_layers > 0)")
         if tokenizer is None and (path / "tokenizer.json").exists():
             tokenizer = Tokenizer(path)
         self.tokenizer = tokenizer
         log.info("model ready in %.1fs (%s, %s)", time.perf_counter() - t0, backend, dtype)
 
         cfg = self.model_config
+        # The pool holds the model's layers and its MTP layers (pool layers num_layers..).
+        self.pool_config = dataclasses.replace(cfg, num_layers=cfg.num_layers + self.model.num_mtp_layers)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         # The base segment is what every layout has (the budget with attention weights replicated);
         # head-sharded layouts add an extra segment made of the weight memory they free.
-        self.page_bytes = bytes_per_page(cfg, config.page_size, dtype)
+        self.page_bytes = bytes_per_page(self.pool_config, config.page_size, dtype)
         self.head_sharded_bytes = head_sharded_weight_bytes(self.model)
         self.extra_pages = extra_pages_per_device(self.head_sharded_bytes, self.n, self.page_bytes)
         local = next(d for d in devices if d.process_index == jax.process_index())  # memory stats are local
         budget = kv_budget_bytes(local, config.kv_memory_gb, config.kv_memory_fraction)
         if config.kv_memory_gb is None and self.layout.heads_sharded:
             budget -= self.extra_pages * self.page_bytes  # free memory already includes the freed weights
-        per_device = pages_per_device(cfg, config.page_size, dtype, budget, config.max_pages)
+        per_device = pages_per_device(self.pool_config, config.page_size, dtype, budget, config.max_pages)
         per_device = distributed.agree_min("kv_pages_per_device", per_device)  # one pool shape on every host
         pool_tokens = per_device * config.page_size
         if self.max_model_len > pool_tokens:
@@ -145,6 +155,7 @@ class Engine:
             balance_pages=int(config.prefix_balance_fraction * per_device),
             max_logits_rows=self.max_logits_rows,
         )
+        self.mtp_drafter = MtpDrafter(k) if mtp else None  # drafts the device computed, by request
         self.scheduler.set_speculation(self._drafter(), k)
         self.limits = SamplingLimits(config.max_stop_token_ids, config.max_logit_bias)
         widths = SamplerWidths.of(self.limits, len(self.eos_ids))
@@ -167,9 +178,17 @@ class Engine:
             expanded_min_tokens=config.resolved_expanded_min_tokens(backend),
             graph_scheduling=config.graph_scheduling,
         )
+        self.mtp = None  # MTP draft programs (engine/mtp_draft.py): one per step program, run right after it
+        if mtp:
+            from splash_jax.engine.mtp_draft import MtpDraftRunner
+
+            self.executor.mtp_hidden = True  # the step programs also return the hidden states
+            self.mtp = MtpDraftRunner(self.executor, k, config.page_size, dtype)
         if config.warmup:  # with switching, every layout's steps: a switch must never compile
             layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else None
             self.executor.compile_all(layouts, moving=config.enable_switching, threads=config.compile_threads)
+            if self.mtp is not None:
+                self.mtp.compile_all(layouts or [self.layout])
         self.switcher = None
         if config.enable_switching:
             from splash_jax.switch.controller import SwitchController
@@ -357,7 +376,15 @@ class Engine:
 
     def _drafter(self):
         c = self.config
-        return NgramDrafter(c.speculative_ngram_min, c.speculative_ngram_max) if c.speculative_k else None
+        if not c.speculative_k:
+            return None
+        if c.speculative_method == "mtp":
+            return self.mtp_drafter
+        return NgramDrafter(c.speculative_ngram_min, c.speculative_ngram_max)
+
+    @property
+    def _mtp_drafting(self) -> bool:
+        return self.mtp is not None and self.config.speculative_method == "mtp"
 
     def set_speculative(self, method: str, num_tokens: int | None = None) -> list[RequestOutput]:
         """Turn speculative decoding on ("ngram") or off ("off"), or change K, between steps
@@ -371,9 +398,17 @@ class Engine:
             self.config.speculative_tokens = num_tokens
         try:
             self.config.validate()
+            if method == "mtp" and self.mtp is None:
+                raise ValueError("MTP drafts need the engine started with --speculative-method mtp "
+                                 "(the MTP layer and its draft programs are built at start-up)")
+            if method == "mtp" and self.config.speculative_tokens > self.mtp.k:
+                raise ValueError(f"this engine's MTP draft programs chain {self.mtp.k} drafts; "
+                                 f"--speculative-tokens {self.config.speculative_tokens} needs a restart")
         except ValueError:
             self.config.speculative_method, self.config.speculative_tokens = previous
             raise
+        if self.mtp_drafter is not None:
+            self.mtp_drafter.forget()
         self.scheduler.set_speculation(self._drafter(), self.config.speculative_k)
         return outputs
 
@@ -447,6 +482,10 @@ class Engine:
             # A step with grammar rows runs its forward pass now and its sampling once the host
             # has advanced each grammar by the previous step's token (_sample_deferred).
             out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained)
+            if self.mtp is not None:  # the MTP pass and draft chain, once the step's tokens exist
+                self.mtp.arm(bucket, expanded, packed, chunks, self.scheduler.tables, keep=self._mtp_drafting)
+                if not constrained:
+                    self.mtp.fire(out.tokens)
         except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
             self._recover(e, chunks)
             return None
@@ -471,6 +510,8 @@ class Engine:
         logits, step.logits = step.logits, None
         try:
             step.result = self.executor.sample(logits, step.mode, mask)
+            if self.mtp is not None:
+                self.mtp.fire(step.result.tokens)  # its draft program, if it was armed
         except Exception as e:  # noqa: BLE001 - the sampler failed on the device
             self._recover(e, step.chunks)
             return
@@ -511,7 +552,22 @@ class Engine:
             else:
                 outputs[i] = outputs[i].extend(out)
         self._recent.append((now, sum(len(o.delta_token_ids) for o in outputs)))
+        if self.mtp is not None:
+            self._record_drafts(step)
         return outputs
+
+    def _record_drafts(self, step: InFlight) -> None:
+        """The MTP drafts the device computed after this step: each request that sampled in it
+        continues from them in its next step (speculative.MtpDrafter)."""
+        try:
+            drafts = self.mtp.take(step.chunks)
+        except Exception as e:  # noqa: BLE001 - its draft program failed: no drafts (the next step fails and recovers)
+            log.warning("reading the MTP drafts failed (%s: %s)", type(e).__name__, e)
+            drafts = None
+        for request, d in drafts or ():
+            if not request.is_finished:
+                self.mtp_drafter.record(request, d)
+        self.mtp_drafter.prune()
 
     def _fail(self, request: Request, message: str) -> None:
         log.warning("request %s failed: %s", request.request_id, message)
@@ -538,6 +594,9 @@ class Engine:
         self.num_step_failures += 1
         log.error("engine step failed on the device (%s: %s); recomputing the running requests", type(error).__name__, error)
         self._inflight = None
+        if self.mtp is not None:
+            self.mtp.drop()
+            self.mtp_drafter.forget()
         for c in chunks:
             c.request.metrics.num_step_failures += 1
             if c.request.metrics.num_step_failures >= 2 and c.request.status != Status.FINISHED:
@@ -610,13 +669,31 @@ class Engine:
     def capacities(self) -> dict:
         """Every layout's capacity on this engine's devices, known before any switch."""
         return layout_capacities(
-            self.model_config, self.n, self.config.page_size, self.page_dtype, self.allocator.pages_per_device,
+            self.pool_config, self.n, self.config.page_size, self.page_dtype, self.allocator.pages_per_device,
             self.head_sharded_bytes,
         )
 
     def stats(self) -> dict:
         """Counters and gauges for dashboards and notebooks (engine/engine_stats.py)."""
         return engine_stats(self)
+
+
+def _check_mtp(model, path: Path) -> None:
+    """--speculative-method mtp needs a checkpoint with an MTP layer: say so before loading."""
+    if model is not None:
+        cfg = model.cfg
+    else:
+        try:
+            cfg = ModelConfig.from_json(path)
+        except (OSError, ValueError):
+            return  # the loader reports a missing or bad config.json with its own error
+    if not cfg.num_mtp_layers:
+        raise ValueError(
+            f"--speculative-method mtp needs a checkpoint with a multi-token-prediction layer "
+            f"(num_nextn_predict_layers > 0 in config.json, as DeepSeek-V3/R1 ship); "
+            f"{path if model is None else 'this model'} has none: use --speculative-method ngram or off")
+    if distributed.current() is not None:
+        raise ValueError("--speculative-method mtp runs in one process for now (its draft programs are not mirrored)")
 
 
 def _checkpoint_is_fp8(path: Path) -> bool:

@@ -197,6 +197,13 @@ def step_compiler_options(backend: str, scan_layers: bool, expanded: bool = Fals
 
 
 class StepExecutor:
+    # MTP drafts (engine/mtp_draft.py): step programs also return the final hidden state of every
+    # token slot (the LM head's input), kept as `step_hidden` with the step's device inputs
+    # (`step_inputs`) for the draft program the engine dispatches right after the step.
+    mtp_hidden = False
+    step_hidden = None
+    step_inputs = None
+
     def __init__(
         self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
@@ -327,22 +334,28 @@ class StepExecutor:
         shape = self.shape(layout, bucket, expanded)
         ctx = ShardedContext(layout, self.n, self.impl)
         graphdef, treedef, max_rows = self.graphdef, self.treedef, self.max_rows
+        hidden_out = self.mtp_hidden
 
         def per_device(params, kv, penalties, prev_tokens, rep, dev, *move):
             if moving:
                 outgoing, kv = move_pages_start(kv, move[0][0])
             batch, sampling, token_slot, prompt_len = unpack_step(shape, rep, dev[0], prev_tokens)
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
-            logits, kv = model(kv, batch, ctx=ctx)
+            if hidden_out:
+                logits, hidden, kv = model(kv, batch, ctx=ctx, return_hidden="all")
+                extra = (hidden,)
+            else:
+                logits, kv = model(kv, batch, ctx=ctx)
+                extra = ()
             if moving:
                 kv = move_pages_finish(kv, outgoing, move[0][0])
             if full:  # the host picks `full` whenever a request of the step needs penalties; the
                 # step's sampler program (sampler_program) draws from these logits
                 penalties = update_history(penalties, batch.tokens, batch.positions, token_slot, prompt_len)
-                return StepLogits(logits.astype(jnp.float32), sampling), kv, penalties
+                return (StepLogits(logits.astype(jnp.float32), sampling), kv, penalties) + extra
             out = sample(logits, sampling, None, full=False)
             tokens = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
-            return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties
+            return (StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties) + extra
 
         param_specs_ = tuple(layout.param_spec(p) for p in self.paths)
         kv_specs = jax.tree.map(lambda _: POOL_SPEC, self.kv_abstract(layout))
@@ -350,7 +363,7 @@ class StepExecutor:
         in_specs = (param_specs_, kv_specs, pen_specs, P(), P(), P(AXIS)) + ((P(AXIS),) if moving else ())
         mapped = jax.shard_map(
             per_device, mesh=self.mesh, in_specs=in_specs,
-            out_specs=(P(), kv_specs, pen_specs), check_vma=False,
+            out_specs=(P(), kv_specs, pen_specs) + ((P(),) if hidden_out else ()), check_vma=False,
         )
         return jax.jit(mapped, donate_argnums=(1, 2)), shape
 
@@ -538,7 +551,9 @@ class StepExecutor:
         inputs = [jax.device_put(rep, self.replicated), jax.device_put(dev, self.per_device)]
         if move is not None:
             inputs.append(jax.device_put(move, self.per_device))
-        out, self.kv, self.penalties = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)
+        out, self.kv, self.penalties, *hidden = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)
+        if self.mtp_hidden:
+            self.step_hidden, self.step_inputs = hidden[0], inputs
         if defer:
             return out
         return self.sample(out, mode) if full else self._sampled(out)

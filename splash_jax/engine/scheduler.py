@@ -17,6 +17,8 @@ schedule() -> SchedulerOutput, in order:
 With speculative decoding (engine/speculative.py) a decoding request may carry drafts: its chunk
 computes its last token and the drafts, with a logits row each, from the rows left after every
 decoding request has its one; update() keeps the accepted prefix and rolls num_computed back to it.
+A drafter with a `lookahead` (MTP: its draft chain writes latents past a sampling chunk) gets
+pages for those positions after the step is scheduled, from the pages left.
 
 update(step, tokens) after a step's tokens reach the host: appends each sampled token, applies
 the token-level stops (EOS, stop_token_ids, max_tokens, model length) and finishes requests
@@ -148,6 +150,8 @@ class Scheduler:
         the counters start again."""
         self.drafter = drafter if num_tokens else None
         self.num_speculative_tokens = num_tokens if drafter is not None else 0
+        # positions past a sampling chunk whose latents the drafter's device work writes (MTP's chain)
+        self.lookahead = getattr(self.drafter, "lookahead", 0)
         self.spec_stats = SpeculativeStats(self.num_speculative_tokens)
 
     def set_prefix_caching(self, enabled: bool) -> None:
@@ -236,6 +240,10 @@ class Scheduler:
             budget -= admitted
             rows -= chunks[-1].num_rows
         self.waiting.extendleft(reversed(deferred))
+        if self.lookahead:  # best effort, from the pages left: never preempts (missing pages cost drafts only)
+            for c in chunks:
+                if c.samples and c.request.status == Status.RUNNING:
+                    self.allocate(c.request, min(c.end + self.lookahead, self.max_model_len))
         return SchedulerOutput(chunks, preempted)
 
     def _propose(self, decoding: list[Request], room: int) -> dict[int, tuple[int, ...]]:

@@ -14,8 +14,10 @@ Latents of rejected drafts were written to the cache at positions the request ha
 the scheduler rolls `num_computed` back to the accepted tokens, so the next step rewrites those
 slots before any query reads them (attention reads only positions below each query's length).
 
-Drafts come from the request itself here (`NgramDrafter`, prompt lookup: no model, as vLLM's and
-SGLang's n-gram method). Requests that speculation cannot serve exactly with these programs run
+Drafts come from the request itself (`NgramDrafter`, prompt lookup: no model, as vLLM's and
+SGLang's n-gram method) or from the checkpoint's multi-token-prediction layer (`MtpDrafter`: the
+device computes them right after each step, engine/mtp_draft.py, and they reach the host with the
+step's tokens). Requests that speculation cannot serve exactly with these programs run
 one token per step: penalties (the step's penalty history would count rejected drafts), grammars
 (a mask per draft position needs the grammar advanced through the drafts), and requests still
 owed prompt logprobs.
@@ -29,7 +31,7 @@ import numpy as np
 
 from splash_jax.engine.request import Request
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "mtp")
 
 
 def can_speculate(request: Request) -> bool:
@@ -74,6 +76,37 @@ class NgramDrafter:
             return []
         seq = np.asarray(request.token_slice(0, request.num_known), np.int64)
         return ngram_draft(seq, k, self.min_n, self.max_n)
+
+
+class MtpDrafter:
+    """Drafts the MTP layer computed on the device after the request's last step (engine/mtp_draft.py):
+    the engine records them as the step's tokens reach the host, keyed by the number of tokens the
+    request knew then. A request with no such drafts (first step after admission or preemption, a
+    step whose drafts were not computed, a request not scheduled in the previous step) runs one
+    token this step and has drafts again after it. `lookahead`: positions past a sampling chunk the
+    draft chain writes MTP latents at (the scheduler gives them pages when it can)."""
+
+    def __init__(self, num_tokens: int):
+        self.k = num_tokens
+        self.lookahead = max(0, num_tokens - 1)
+        self._drafts: dict[Request, tuple[int, list[int]]] = {}
+
+    def record(self, request: Request, drafts) -> None:
+        """Drafts that continue `request` from the tokens it knows now."""
+        self._drafts[request] = (request.num_known, [int(t) for t in drafts])
+
+    def forget(self) -> None:
+        self._drafts.clear()
+
+    def prune(self) -> None:
+        """Drop drafts of requests that finished or moved on (called once per step)."""
+        self._drafts = {r: v for r, v in self._drafts.items() if not r.is_finished and v[0] == r.num_known}
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        entry = self._drafts.get(request)
+        if k <= 0 or entry is None or entry[0] != request.num_known or request.num_computed != request.num_known - 1:
+            return []
+        return entry[1][:k]
 
 
 def ngram_draft(seq: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

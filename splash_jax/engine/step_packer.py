@@ -157,6 +157,8 @@ class PackedStep:
     dev: np.ndarray  # [N, Y] int32
     rows: list[int]  # output row of each sampling chunk, in chunk order
     prompt_rows: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (chunk, first row, count): prompt logprobs
+    base: np.ndarray | None = None  # [chunks] the step slot of each chunk's first token
+    lrow: np.ndarray | None = None  # [chunks] each chunk's page-table row on its devices
 
 
 def pack_step(
@@ -297,7 +299,7 @@ def pack_step(
         **{"s_" + f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingInputs)},
     })
     dev = shape.device_spec().pack(per_device, lead=(n,))
-    return PackedStep(rep, dev, row[samples].tolist(), prompt_rows)
+    return PackedStep(rep, dev, row[samples].tolist(), prompt_rows, base, lrow)
 
 
 def prefill_spans(n: int, lengths: np.ndarray, starts: np.ndarray, lslot: np.ndarray, owners: np.ndarray | None,

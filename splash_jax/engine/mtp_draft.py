@@ -1,0 +1,355 @@
+"""MTP drafts (`--speculative-method mtp`): the checkpoint's multi-token-prediction layer
+(splash_jax/mtp.py) drafts K tokens per decoding request, DeepSeek-V3/SGLang style (one MTP
+layer chained K times), on the device right after each step.
+
+One draft program per (layout, bucket) of the step programs, compiled ahead of time with them,
+dispatched right after the step (after its sampler program for a `full` step) on device arrays
+only: the step's final hidden states (the step program returns them when the engine runs MTP:
+StepExecutor.mtp_hidden), its sampled tokens, the two packed buffers it already took, and two
+small buffers of its own (`pack_mtp`). It donates the pool (the MTP layer's latents are at pool
+layer num_layers, in the requests' own pages, so they move with them in every switch) and
+returns the drafts [rows, K], read back with the step's tokens. So a step is 2 launches (3 with a
+sampler program) and no hidden state crosses to the host.
+
+Why a separate program, not fused into the step program: the sampled token of a step's last row
+is the MTP layer's input there, and `full` steps (random draws, logprobs, penalties) sample in a
+separate sampler program after the step, as grammar steps do later still; a fused pass would
+need a second path for those. One draft program serves every step variant (greedy, full,
+moving, deferred), the step programs stay as they were (plus one output), and the MTP pass is
+one program for the whole chain.
+
+What the program computes (for a step whose chunk of request r covers positions s..e-1):
+  1. The MTP pass over every token slot of the step: at position q, hidden h_q (the main model's
+     final hidden state, the LM head's input) and the embedding of token q+1, writing the MTP
+     latent at q. Token q+1 is the next prompt (or known) token inside a chunk and for a prefill
+     chunk's last position (the first token of its next chunk, known on the host), and the
+     sampled token of the row for a sampling chunk's last row and for every row of a verify chunk.
+     (For accepted positions of a verify chunk that is the next draft; rows past the first
+     rejection write slots the next step writes again before any query reads them: kv_lens
+     bound every read.) Every step of an engine started with MTP runs it, with speculation
+     switched off or to n-gram too (then its drafts are not read back): so every computed
+     position, a cached prefix page's too, has its MTP latent when drafting resumes.
+  2. The acceptance of each verify chunk, as the host computes it (speculative.accepted):
+     a = the leading rows whose sampled token equals their draft.
+  3. Draft 1 = argmax of the MTP logits at the last accepted row (position s + a; a = 0 and its
+     last position for a plain sampling chunk); drafts 2..K chain the MTP layer on its own output
+     hidden state and the previous draft, one row per sampling chunk, at positions s+a+1, ...
+     These chain latents are temporary: the next step's pass 1 writes those positions again.
+     Their pages are addressed from a table of the 2K positions after s that the host packs
+     (`c_page`, `c_lens`), picked on the device once a is known; the scheduler gives requests
+     pages for these positions when it can (MtpDrafter.lookahead), else the writes are dropped
+     and only the drafts suffer.
+Drafts are argmax of the MTP logits: a deterministic draft, which the verify step's rule (greedy
+equality, or speculative sampling's accept-with-p(d)) keeps exact whatever it is. A request whose
+drafts are missing (first step after admission or preemption, a step that skipped the draft
+program) decodes one token that step and has drafts again after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from splash_jax.attention.layouts import ShardedContext
+from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, unpack_step
+from splash_jax.kv.cache import StepInput
+from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
+
+log = logging.getLogger(__name__)
+
+DROPPED = np.iinfo(np.int32).max  # a write page beyond the pool: the write is dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpShape:
+    """The draft program's own buffers for one step shape and K drafts."""
+
+    step: StepShape
+    k: int
+
+    @property
+    def width(self) -> int:
+        """Candidate positions per chain row: s + o for o < 2K (chain j writes at s + a + j, a <= K, j < K)."""
+        return 2 * self.k
+
+    def replicated_spec(self) -> BufferSpec:
+        t, c = self.step.total_tokens, self.step.rows
+        return BufferSpec((
+            Field("m_tokens", (t,), np.int32),  # token q+1 of each slot when the host knows it
+            Field("m_src", (t,), np.int32),  # else the logits row whose sampled token it is (-1: m_tokens)
+            Field("c_row0", (c,), np.int32),  # chain row: the chunk's first logits row (its verify rows' first)
+            Field("c_k", (c,), np.int32),  # drafts the chunk verifies (0: a plain sampling chunk)
+            Field("c_pos", (c,), np.int32),  # position of its first logits row
+            Field("c_valid", (c,), np.int32),
+        ))
+
+    def device_spec(self) -> BufferSpec:
+        g, c, w = self.step.segments, self.step.requests, self.width
+        return BufferSpec((Field("c_page", (g, c, w), np.int32), Field("c_lens", (g, c, w), np.int32)))
+
+
+def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """-> (replicated [X], per-device [N, Y] buffers, the chain row of each sampling chunk in chunk order)."""
+    shape, k = mshape.step, mshape.k
+    n, g, rq, w = shape.devices, shape.segments, shape.requests, mshape.width
+    t_total, c_total = shape.total_tokens, shape.rows
+    m_tokens = np.zeros(t_total, np.int32)
+    m_src = np.full(t_total, -1, np.int32)
+    c_row0 = np.zeros(c_total, np.int32)
+    c_k = np.zeros(c_total, np.int32)
+    c_pos = np.zeros(c_total, np.int32)
+    c_valid = np.zeros(c_total, np.int32)
+    c_page = np.full((n, g, rq, w), DROPPED, np.int32)
+    c_lens = np.zeros((n, g, rq, w), np.int32)
+    nrows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
+    last_row = np.cumsum(nrows) - 1
+    chain_rows, chain = [], []  # chain: (chunk index, chain row, first position)
+    for i, c in enumerate(chunks):
+        req, base, length = c.request, int(packed.base[i]), c.num_tokens
+        kc = len(c.drafts)
+        if kc:  # a verify chunk: every row's next token is the token sampled there
+            row0 = int(last_row[i]) - kc
+            m_src[base : base + length] = np.arange(row0, row0 + length)
+        else:
+            nxt = req.token_slice(c.start + 1, min(c.end + 1, req.num_known))
+            m_tokens[base : base + len(nxt)] = nxt
+            row0 = int(last_row[i])
+            if c.samples:
+                m_src[base + length - 1] = row0
+        if not c.samples:
+            continue
+        lrow = int(packed.lrow[i])
+        cr = req.owner * rq + lrow if shape.owner_rows else lrow
+        c_row0[cr], c_k[cr], c_pos[cr], c_valid[cr] = row0, kc, c.end - 1 - kc, 1
+        chain_rows.append(cr)
+        chain.append((req.slot, lrow, c.end - 1 - kc, req.owner))
+    if chain:
+        slots, lrows, first, owners = (np.asarray(x, np.int64) for x in zip(*chain))
+        if shape.owner_rows:  # each chain row on its owner only
+            dev, slot, loc, start = owners, slots, lrows, first
+        else:
+            e = len(chain)
+            dev = np.repeat(np.arange(n), e)
+            slot, loc, start = np.tile(slots, n), np.tile(lrows, n), np.tile(first, n)
+        pos = start[:, None] + np.arange(w)[None]  # [E, W]
+        j = pos // page_size
+        inside = j < tables.m
+        jc = np.minimum(j, tables.m - 1)
+        d2, s2 = dev[:, None], slot[:, None]
+        for seg in range(g):
+            local = tables.local_of[d2, seg, s2, jc]
+            held = inside & (local >= 0)
+            c_page[dev, seg, loc] = np.where(held, local, DROPPED)
+            c_lens[dev, seg, loc] = np.where(inside, tables.before[d2, seg, s2, jc] * page_size
+                                             + np.where(held, pos % page_size + 1, 0), 0)
+    rep = mshape.replicated_spec().pack({"m_tokens": m_tokens, "m_src": m_src, "c_row0": c_row0, "c_k": c_k,
+                                         "c_pos": c_pos, "c_valid": c_valid})
+    dev_buf = mshape.device_spec().pack({"c_page": c_page, "c_lens": c_lens}, lead=(n,))
+    return rep, dev_buf, chain_rows
+
+
+@dataclasses.dataclass
+class _Armed:
+    """A dispatched step whose draft program waits for its sampled tokens (a deferred sampler)."""
+
+    layout: Layout
+    key: tuple
+    hidden: jax.Array
+    inputs: list
+    mrep: np.ndarray
+    mdev: np.ndarray
+    chunks: list
+    chain_rows: list[int]
+    keep: bool  # its drafts are wanted (MTP speculation on); else it runs for the MTP latents only
+
+
+@dataclasses.dataclass
+class _Pending:
+    chunks: list
+    chain_rows: list[int]
+    drafts: jax.Array  # [rows, K] int32
+
+
+class MtpDraftRunner:
+    """The draft programs of one engine and the drafts in flight (one step at a time: speculation
+    runs without overlap). Device state stays the executor's: the pool is replaced through
+    StepExecutor.apply_to_pool."""
+
+    def __init__(self, executor, k: int, page_size: int, dtype):
+        self.ex = executor
+        self.k = k
+        self.page_size = page_size
+        self.hidden_dtype = jnp.dtype(dtype)  # the step programs' hidden states: the model's dtype
+        self._compiled: dict[tuple[str, object, bool], object] = {}
+        self._armed: _Armed | None = None
+        self._pending: _Pending | None = None
+        self.num_dispatched = 0
+        self.num_skipped = 0  # steps whose drafts were not computed (a layout hand-off before a deferred sampler)
+
+    # --- programs ---------------------------------------------------------------------------
+    def _program(self, layout: Layout, bucket, expanded: bool):
+        ex, k, page_size = self.ex, self.k, self.page_size
+        shape = ex.shape(layout, bucket, expanded)
+        mshape = MtpShape(shape, k)
+        layout = ex.program_layout(layout)
+        ctx = ShardedContext(layout, ex.n, ex.impl)
+        graphdef, treedef = ex.graphdef, ex.treedef
+        rows, cq, owner_rows, n = shape.rows, shape.requests, shape.owner_rows, ex.n
+
+        def per_device(params, kv, hidden, tokens, rep, dev, mrep, mdev):
+            batch, sampling, _, _ = unpack_step(shape, rep, dev[0], tokens)  # without overlap no token is device-fed
+            m = mshape.replicated_spec().unpack(mrep)
+            d = mshape.device_spec().unpack(mdev[0])
+            model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
+            sampled = tokens[:rows]
+            src = m["m_src"]
+            nxt = jnp.where(src >= 0, sampled[jnp.clip(src, 0, rows - 1)], m["m_tokens"])
+            # 1. the MTP pass over the step's slots (absorbed attention even for an expanded chunk)
+            step = dataclasses.replace(batch, tokens=nxt, prefill_span=None)
+            logits, out, kv = model.mtp_forward(kv, step, hidden, ctx=ctx)
+            # 2. each verify chunk's accepted drafts, as speculative.accepted counts them
+            i = jnp.arange(k, dtype=jnp.int32)
+            idx = jnp.clip(m["c_row0"][:, None] + i[None], 0, rows - 1)
+            match = (sampled[idx] == sampling.draft[idx]) & (i[None] < m["c_k"][:, None])
+            a = jnp.cumprod(match.astype(jnp.int32), axis=1).sum(axis=1)  # [C]
+            last = jnp.clip(m["c_row0"] + a, 0, rows - 1)
+            token = jnp.argmax(logits[last], axis=-1).astype(jnp.int32)
+            h = out[last]
+            drafts = [token]
+            # 3. the chain: one row per sampling chunk at positions s + a + j
+            valid = m["c_valid"] > 0
+            if owner_rows:
+                mine = jax.lax.axis_index(AXIS) * cq + jnp.arange(cq, dtype=jnp.int32)
+            else:
+                mine = jnp.arange(cq, dtype=jnp.int32)
+            for j in range(1, k):
+                offset = a + j
+                pos = m["c_pos"] + offset
+                o = jnp.clip(offset[mine], 0, mshape.width - 1)[None, :, None]
+                write_page = jnp.take_along_axis(d["c_page"], jnp.broadcast_to(o, d["c_page"].shape[:2] + (1,)), axis=2)[..., 0]
+                kv_lens = jnp.take_along_axis(d["c_lens"], jnp.broadcast_to(o, d["c_lens"].shape[:2] + (1,)), axis=2)[..., 0]
+                write_page = jnp.where(valid[mine][None], write_page, DROPPED)
+                kv_lens = jnp.where(valid[mine][None], kv_lens, 0)
+                chain = StepInput(
+                    token, pos, jnp.arange(cq, dtype=jnp.int32), write_page, pos[mine] % page_size, kv_lens,
+                    batch.page_table, jnp.arange(rows, dtype=jnp.int32), None, valid,
+                )
+                logits, h, kv = model.mtp_forward(kv, chain, h, ctx=ctx)
+                token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                drafts.append(token)
+            return jnp.stack(drafts, axis=1), kv
+
+        param_specs_ = tuple(layout.param_spec(p) for p in ex.paths)
+        kv_specs = jax.tree.map(lambda _: POOL_SPEC, ex.kv_abstract(layout))
+        in_specs = (param_specs_, kv_specs, P(), P(), P(), P(AXIS), P(), P(AXIS))
+        mapped = jax.shard_map(per_device, mesh=ex.mesh, in_specs=in_specs, out_specs=(P(), kv_specs), check_vma=False)
+        return jax.jit(mapped, donate_argnums=(1,)), shape, mshape
+
+    def lower(self, layout: Layout, bucket, expanded: bool = False):
+        ex = self.ex
+        fn, shape, mshape = self._program(layout, bucket, expanded)
+        hidden_size = self._hidden_size()
+        rep_sharding, dev_sharding = ex.replicated, ex.per_device
+        args = (
+            ex.param_abstract(layout), ex.kv_abstract(layout),
+            jax.ShapeDtypeStruct((shape.total_tokens, hidden_size), self.hidden_dtype, sharding=rep_sharding),
+            jax.ShapeDtypeStruct((ex.max_rows,), jnp.int32, sharding=rep_sharding),
+            jax.ShapeDtypeStruct((shape.replicated_spec().size,), jnp.int32, sharding=rep_sharding),
+            jax.ShapeDtypeStruct((ex.n, shape.device_spec().size), jnp.int32, sharding=dev_sharding),
+            jax.ShapeDtypeStruct((mshape.replicated_spec().size,), jnp.int32, sharding=rep_sharding),
+            jax.ShapeDtypeStruct((ex.n, mshape.device_spec().size), jnp.int32, sharding=dev_sharding),
+        )
+        return fn.lower(*args)
+
+    def _hidden_size(self) -> int:
+        for path, x in zip(self.ex.paths, self.ex.params):
+            if path[0] == "embed":
+                return int(x.shape[-1])
+        raise ValueError("the model has no embedding table")
+
+    def keys(self, layouts: list[Layout]) -> list[tuple]:
+        """(layout, bucket, expanded) of every step program these layouts run (moving variants share one)."""
+        ex = self.ex
+        layouts = list(dict.fromkeys(ex.program_layout(l) for l in layouts))
+        return [(lay, b, e) for lay in layouts for b in ex.buckets(lay)
+                for e in ((False, True) if ex.expands(lay, b) else (False,))]
+
+    def compile_all(self, layouts: list[Layout]) -> int:
+        todo = [key for key in self.keys(layouts) if (key[0].name, *key[1:]) not in self._compiled]
+        with self.ex.compile_stats.track("mtp_drafts") as rec:
+            for lay, b, e in todo:
+                self._compiled[(lay.name, b, e)] = self.lower(lay, b, e).compile()
+            rec["programs"] = len(todo)
+        self.ex.num_compiled += len(todo)
+        self.ex.compile_seconds += rec["seconds"]
+        log.info("compiled %d MTP draft programs in %.1fs", len(todo), rec["seconds"])
+        return len(todo)
+
+    def compiled(self, layout: Layout, bucket, expanded: bool):
+        layout = self.ex.program_layout(layout)
+        key = (layout.name, bucket, expanded)
+        program = self._compiled.get(key)
+        if program is None:  # only without warm-up
+            program = self._compiled[key] = self.lower(layout, bucket, expanded).compile()
+            self.ex.num_compiled += 1
+        return program
+
+    # --- running ----------------------------------------------------------------------------
+    def arm(self, bucket, expanded: bool, packed, chunks, tables, keep: bool = True) -> None:
+        """After the step program of these chunks was dispatched (executor.run): pack the draft
+        program's buffers and keep the step's device outputs until its tokens exist (`fire`).
+        keep=False (speculation off or n-gram): the program runs all the same, so every position
+        computed gets its MTP latent (a request or a cached page drafts from them later), but its
+        drafts are not read back."""
+        ex = self.ex
+        mshape = MtpShape(ex.shape(ex.layout, bucket, expanded), self.k)
+        mrep, mdev, chain_rows = pack_mtp(mshape, chunks, packed, tables, self.page_size)
+        self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, list(ex.step_inputs), mrep, mdev,
+                             chunks, chain_rows, keep)
+
+    def fire(self, tokens: jax.Array) -> None:
+        """Dispatch the armed step's draft program on its sampled tokens (device array). A layout
+        hand-off since the step was dispatched (possible only for a deferred sampler) moved the
+        pages its buffers name: then no drafts for that step."""
+        armed, self._armed = self._armed, None
+        if armed is None:
+            return
+        ex = self.ex
+        if ex.layout is not armed.layout:
+            self.num_skipped += 1
+            return
+        program = self.compiled(armed.layout, *armed.key)
+        mrep = jax.device_put(armed.mrep, ex.replicated)
+        mdev = jax.device_put(armed.mdev, ex.per_device)
+        drafts = None
+
+        def run(kv):
+            nonlocal drafts
+            drafts, kv = program(tuple(ex.params), kv, armed.hidden, tokens, *armed.inputs, mrep, mdev)
+            return kv
+
+        ex.apply_to_pool(run)
+        self.num_dispatched += 1
+        if armed.keep:
+            drafts.copy_to_host_async()
+            self._pending = _Pending(armed.chunks, armed.chain_rows, drafts)
+
+    def take(self, chunks) -> list[tuple[object, np.ndarray]] | None:
+        """The drafts of the step of these chunks, once its tokens are applied: (request, drafts [K])
+        per sampling chunk, or None if that step has none."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending.chunks is not chunks:
+            return None
+        drafts = np.asarray(pending.drafts)
+        sampling = [c for c in chunks if c.samples]
+        return [(c.request, drafts[row]) for c, row in zip(sampling, pending.chain_rows)]
+
+    def drop(self) -> None:
+        """Forget what is armed and in flight (a failed step: the pool is gone)."""
+        self._armed = self._pending = None

@@ -1,0 +1,246 @@
+"""MTP speculative decoding (engine/mtp_draft.py): the drafts are the MTP layer's (equal to
+mtp_forward chained by hand on one device), greedy outputs equal decoding one token per step
+(max_tokens and stop strings landing inside verify chunks), in every layout and across live
+switches, nothing compiles after warm-up, and a checkpoint without an MTP layer is refused."""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from splash_jax.compile_guard import count_compiles
+from splash_jax.engine import Engine, EngineConfig, SamplingParams
+from splash_jax.engine.request import accumulate
+from splash_jax.kv.cache import StepInput
+from splash_jax.mesh.layouts import LAYOUT_NAMES
+from splash_jax.model import DeepseekForCausalLM, RuntimeOptions
+from splash_jax.model_config import ModelConfig
+from splash_jax.weights.export import hf_tensors
+from splash_jax.weights.loader import load_model
+
+RANDOM_TINY = Path(__file__).parent / "fixtures" / "splash_tiny_random"  # 3 layers, vocab 1024, a tokenizer
+PAGE = 8
+K = 3
+PROMPTS = [
+    "Latent attention keeps one vector per token.",
+    "def add(a, b):\n    return a + b\n",
+    "ok",
+    "The quick brown fox jumps over the lazy dog, again and again and again",
+]
+KW = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, max_pages=48,
+          compile_cache_dir=None, speculative_method="mtp", speculative_tokens=K)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """splash_tiny_random plus a random MTP layer (model.layers.3.*, its own safetensors file)."""
+    dst = tmp_path_factory.mktemp("mtp") / "tiny-mtp"
+    shutil.copytree(RANDOM_TINY, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_json(dst)
+    model = DeepseekForCausalLM(cfg, RuntimeOptions(dtype="float32", mtp=True), nnx.Rngs(3))
+    prefix = f"model.layers.{cfg.num_layers}."
+    rng = np.random.default_rng(3)
+    tensors = {}
+    for name, t in hf_tensors(model, "float32").items():
+        if not name.startswith(prefix):
+            continue
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.2 * rng.standard_normal(t.shape)
+        elif name.endswith("mlp.gate.weight"):
+            t = rng.standard_normal(t.shape) * 2.0 / np.sqrt(cfg.hidden_size)
+        elif name.endswith("bias"):
+            t = rng.random(t.shape) * 0.1
+        else:
+            t = rng.standard_normal(t.shape) * 0.08
+        tensors[name] = np.asarray(t, np.float32)
+    save_file(tensors, str(dst / "model-mtp.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    return Engine(EngineConfig(model=str(folder), **KW))
+
+
+def _generate(engine, method, prompts, params):
+    engine.set_speculative(method)
+    try:
+        return engine.generate(prompts, params)
+    finally:
+        engine.set_speculative("mtp")
+
+
+def _seq_batch(tokens, start, rows):
+    """A single-device StepInput for one sequence at positions start.. in pages 0.. of its own pool."""
+    n = len(tokens)
+    pos = np.arange(start, start + n)
+    return StepInput(jnp.asarray(tokens, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.zeros(n, jnp.int32),
+                     jnp.asarray(pos // PAGE, jnp.int32), jnp.asarray(pos % PAGE, jnp.int32), jnp.asarray(pos + 1, jnp.int32),
+                     jnp.arange(16, dtype=jnp.int32)[None], jnp.asarray(rows, jnp.int32))
+
+
+class _OracleDrafter:
+    """Proposes the reference continuation with about a third of the tokens wrong, so verify chunks
+    accept none, some or all of their drafts (a random MTP layer's drafts are rarely right); the
+    MTP programs still run after every step and their drafts are recorded (and checked)."""
+
+    lookahead = K - 1
+
+    def __init__(self, reference, seed=5):
+        self.reference = reference
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, request, k):
+        want = self.reference[tuple(request.prompt_ids)][len(request.output_ids):][:k]
+        wrong = self.rng.random(len(want)) < 0.3
+        return [(t + 1) % 100 if w else t for t, w in zip(want, wrong)]
+
+
+class _Reference:
+    """The MTP drafts for a sequence state, computed by hand on one device: the main model over
+    tokens 0..N-2 (hidden states), the MTP layer over the same positions fed tokens 1..N-1, its
+    logits at N-2 give draft 1, then the layer chained on its output. One padded shape: one compile."""
+
+    SLOTS = 64
+
+    def __init__(self, folder):
+        self.model = load_model(folder, RuntimeOptions(dtype="float32", attention_impl="xla", mtp=True))
+
+        def drafts(m, main_tokens, mtp_tokens, n):
+            kv = m.new_cache(self.SLOTS // PAGE + 1, PAGE)
+            b = _padded_batch(main_tokens, n, self.SLOTS)
+            _, hidden, kv = m(kv, b, return_hidden="all")
+            logits, h, kv = m.mtp_forward(kv, dataclasses.replace(b, tokens=mtp_tokens), hidden)
+            out = [jnp.argmax(logits[0])]
+            for j in range(1, K):
+                pos = jnp.reshape(n - 1 + j, (1,)).astype(jnp.int32)
+                step = StepInput(jnp.reshape(out[-1], (1,)).astype(jnp.int32), pos, jnp.zeros(1, jnp.int32), pos // PAGE,
+                                 pos % PAGE, pos + 1, b.page_table, jnp.zeros(1, jnp.int32))
+                logits, h, kv = m.mtp_forward(kv, step, h)
+                out.append(jnp.argmax(logits[0]))
+            return jnp.stack(out)
+
+        self._drafts = jax.jit(drafts)
+
+    def __call__(self, seq):
+        n = len(seq) - 1  # positions 0..n-1 = 0..N-2
+        main = np.zeros(self.SLOTS, np.int32)
+        main[:n] = seq[:n]
+        nxt = np.zeros(self.SLOTS, np.int32)
+        nxt[:n] = seq[1 : n + 1]
+        return [int(t) for t in self._drafts(self.model, jnp.asarray(main), jnp.asarray(nxt), jnp.int32(n))]
+
+
+def _padded_batch(tokens, n, slots):
+    """Positions 0..n-1 of one sequence in `slots` token slots (the rest padding); logits row n-1."""
+    pos = jnp.arange(slots, dtype=jnp.int32)
+    real = pos < n
+    return StepInput(tokens, jnp.where(real, pos, 0), jnp.zeros(slots, jnp.int32),
+                     jnp.where(real, pos // PAGE, jnp.iinfo(jnp.int32).max), pos % PAGE, jnp.where(real, pos + 1, 0),
+                     jnp.arange(slots // PAGE + 1, dtype=jnp.int32)[None], jnp.reshape(n - 1, (1,)), None, real)
+
+
+def _recording(engine, monkeypatch):
+    """(token sequence the request knew, its recorded MTP drafts) for every draft record."""
+    seen = []
+    record = engine.mtp_drafter.record
+
+    def spy(request, drafts):
+        seen.append((list(request.prompt_ids) + list(request.output_ids), [int(t) for t in drafts]))
+        record(request, drafts)
+
+    monkeypatch.setattr(engine.mtp_drafter, "record", spy)
+    return seen
+
+
+def test_first_drafts_are_the_mtp_layer_chained_on_itself(engine, folder):
+    """After a prompt's prefill the recorded drafts equal mtp_forward run by hand on one device:
+    position n-1 with (h_{n-1}, the sampled token) gives draft 1; each next draft runs the layer at
+    the next position on its own output hidden state and the previous draft."""
+    ids = engine.tokenizer.encode(PROMPTS[3], add_bos=True)
+    engine.add_request(ids, SamplingParams(max_tokens=8), request_id="probe")
+    request = engine._requests["probe"]
+    while not request.output_ids:
+        engine.step()
+    assert len(request.output_ids) == 1  # the prefill's token (its chunks fit one step each)
+    got = engine.mtp_drafter.propose(request, K)
+    engine.abort("probe")
+
+    model = load_model(folder, RuntimeOptions(dtype="float32", attention_impl="xla", mtp=True))
+    n = len(ids)
+    kv = model.new_cache(16, PAGE)
+    logits, hidden, kv = jax.jit(lambda m, kv, b: m(kv, b, return_hidden="all"))(model, kv, _seq_batch(ids, 0, [n - 1]))
+    first = int(np.argmax(np.asarray(logits)[0]))
+    assert first == request.output_ids[0]
+    mtp = jax.jit(lambda m, kv, b, h: m.mtp_forward(kv, b, h))
+    logits, h, kv = mtp(model, kv, _seq_batch(ids[1:] + [first], 0, [n - 1]), hidden)
+    want = [int(np.argmax(np.asarray(logits)[0]))]
+    for j in range(1, K):
+        logits, h, kv = mtp(model, kv, _seq_batch([want[-1]], n - 1 + j, [0]), h)
+        want.append(int(np.argmax(np.asarray(logits)[0])))
+    assert got == want
+
+
+def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
+    params = [SamplingParams(max_tokens=m) for m in (24, 17, 21, 9)]
+    want = _generate(engine, "off", PROMPTS, params)
+    steps, before = engine.num_steps, engine.stats()["speculative"]
+    with count_compiles() as compiles:
+        got = engine.generate(PROMPTS, params)
+    assert compiles.count == 0, compiles.events  # step and draft programs were all compiled at start-up
+    spec = engine.stats()["speculative"]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.text for g in got] == [w.text for w in want]
+    assert spec["verify_chunks"] > before["verify_chunks"] and spec["draft_tokens"] > before["draft_tokens"]
+    assert engine.mtp.num_dispatched > 0
+
+
+def test_max_tokens_and_stop_strings_inside_verify_chunks(engine):
+    base = _generate(engine, "off", PROMPTS[:2], SamplingParams(max_tokens=20))
+    for i, w in enumerate(base):
+        params = [SamplingParams(max_tokens=m) for m in (1, 2, 5, 7)]
+        got = engine.generate([PROMPTS[i]] * len(params), params)
+        assert [g.token_ids for g in got] == [w.token_ids[:m] for m in (1, 2, 5, 7)]
+        text = w.text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        got = engine.generate([PROMPTS[i]], SamplingParams(max_tokens=20, stop=[stop]))[0]
+        assert got.text == text[: text.index(stop)] and got.finish_reason == "stop"
+
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return _Reference(folder)
+
+
+def test_drafts_after_every_step_are_the_mtp_layers(engine, reference, monkeypatch):
+    """With verify chunks that accept none, some or all of their drafts (oracle proposals), the
+    MTP drafts the device computes after each step equal the hand-chained reference for the
+    sequence the request knows then: the MTP pass over verify rows, the device's acceptance count,
+    the chain from the last accepted position and the rewritten slots all hold; outputs unchanged."""
+    params = [SamplingParams(max_tokens=m) for m in (24, 17, 21, 9)]
+    want = _generate(engine, "off", PROMPTS, params)
+    oracle = {tuple(engine.tokenizer.encode(p, add_bos=True)): w.token_ids for p, w in zip(PROMPTS, want)}
+    seen = _recording(engine, monkeypatch)
+    before = engine.stats()["speculative"]["accepted_histogram"]
+    engine.scheduler.set_speculation(_OracleDrafter(oracle), K)
+    try:
+        got = engine.generate(PROMPTS, params)
+        hist = np.subtract(engine.stats()["speculative"]["accepted_histogram"], before)
+    finally:
+        engine.set_speculative("mtp")
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert hist[0] > 0 and hist[K] > 0 and sum(hist[1:K]) > 0, hist
+    assert len(seen) > 20
+    wrong = [(seq, d, reference(seq)) for seq, d in seen if d != reference(seq)]
+    assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
