@@ -39,6 +39,7 @@ from pallas_kernels.mla_decode_config import DecodeConfig, num_sms, pick_config,
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MIN_BLOCK_H = 16  # Triton dot needs M >= 16
+SMEM_BYTES = 192 * 1024  # for the KV tiles, of the 227 KB a Hopper block may take: the rest holds the query tile
 
 
 def _pow2(n: int) -> bool:
@@ -50,6 +51,20 @@ def supports(q_latent_shape, q_rope_shape, latent_shape) -> bool:
     blocks of at least 16 for both matmul widths and the KV step."""
     L, R, S = q_latent_shape[-1], q_rope_shape[-1], latent_shape[1]
     return _pow2(L) and _pow2(R) and L >= 16 and R >= 16 and _pow2(S)
+
+
+def fit_shared_memory(block_k: int, stages: int, width: int, itemsize: int, page_size: int) -> tuple[int, int]:
+    """(block_k, stages) whose pipelined KV tiles (stages x block_k x width) fit SMEM_BYTES: the
+    tuned table is for 2-byte caches; a float32 cache at its 2-stage, 64-token step asked for 288 KB
+    (H200: 227 KB per block) and failed to compile. Fewer stages first, then a shorter step.
+    2-byte caches keep the measured tuned choice (Triton shares buffers the estimate counts twice)."""
+    if itemsize <= 2:
+        return block_k, stages
+    while stages > 1 and stages * block_k * width * itemsize > SMEM_BYTES:
+        stages -= 1
+    while block_k > 16 and block_k * width * itemsize > SMEM_BYTES and (block_k // 2 >= page_size or page_size % (block_k // 2) == 0):
+        block_k //= 2
+    return block_k, stages
 
 
 def split_range(kv_len, split, splits: int, page_size: int, page_multiple: int = 1):
@@ -171,6 +186,7 @@ def paged_mla_decode(
     block_k = 1 << (max(1, min(cfg.block_k, M * S)).bit_length() - 1)
     if block_k < S and S % block_k:
         block_k = S
+    block_k, stages = fit_shared_memory(block_k, cfg.num_stages, L + R, jnp.dtype(latent.dtype).itemsize, S)
     ppb = max(1, block_k // S)  # pages per step (1 when the step is a page or less)
     block_h = max(MIN_BLOCK_H, min(cfg.block_h, 1 << max(0, (H - 1).bit_length())))
     Hp = -(-H // block_h) * block_h
@@ -216,7 +232,7 @@ def paged_mla_decode(
             _compat.out_struct((T, splits, Hp, L), part_dtype, q_latent),
             _compat.out_struct((T, splits, Hp), jnp.float32, q_latent),
         ],
-        compiler_params=_compat.triton_params(cfg.num_warps, cfg.num_stages),
+        compiler_params=_compat.triton_params(cfg.num_warps, stages),
         interpret=interpret,
         name=f"mla_decode_h{block_h}_k{block_k}_s{splits}",
     )(page_table.astype(jnp.int32), kv_lens.astype(jnp.int32), q_latent, q_rope, latent, rope)

@@ -415,3 +415,14 @@ def test_grouped_kernel_kv_tile_fits_shared_memory():
         assert got == want
         assert got == 16 or smem(rows, got) <= SHARED_MEMORY_BYTES < smem(rows, 2 * got)
     assert _fitting_block_k(64, 576, 32, 2) == 32  # never larger than the page
+
+
+def test_float32_caches_get_kv_tiles_that_fit_shared_memory():
+    """The tuned (bf16) step asked a float32 cache for 288 KB of pipelined tiles on an H200 (227 KB
+    per block) and failed to compile; the fitted one stays under SMEM_BYTES, bf16 keeps its table."""
+    from pallas_kernels.mla_decode import SMEM_BYTES, fit_shared_memory
+
+    for block_k, stages, page in ((64, 2, 64), (128, 3, 64), (32, 2, 16), (256, 2, 64)):
+        k, s = fit_shared_memory(block_k, stages, 576, 4, page)
+        assert s * k * 576 * 4 <= SMEM_BYTES and k >= min(block_k, page) // 2 and (k % page == 0 or page % k == 0)
+        assert fit_shared_memory(block_k, stages, 576, 2, page) == (block_k, stages)
