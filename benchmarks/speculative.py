@@ -4,6 +4,7 @@ whose outputs do not, at low concurrency.
 
     python -m benchmarks.speculative                                   # bundled model, CPU or GPU
     python -m benchmarks.speculative --batches 1,8 --drafts 0,2,3,4 --max-tokens 160
+    python -m benchmarks.speculative --methods ngram,mtp --drafts 0,1,2,3   # the bundled MTP head too
 
 Workloads (greedy, held-out Python standard library files the bundled model never trained on):
   copy   a file's opening, a marker, then its first third again: the model continues by copying
@@ -36,6 +37,7 @@ HELD_OUT_EVERY = 50  # scripts/train_bundled_model.py holds out every 50th stdli
 class SpecBench:
     batches: str = "1,8"
     drafts: str = "0,1,2,3,4"  # K per run; 0 = speculation off (overlapped)
+    methods: str = "ngram"  # draft sources to run: ngram and/or mtp (mtp needs a checkpoint with an MTP layer)
     workloads: str = "copy,fresh,repeat"
     max_tokens: int = 128
     prompt_chars: int = 1200  # characters of each file's opening
@@ -83,45 +85,56 @@ def run(engine: Engine, texts: list[str], max_tokens: int) -> tuple[float, list]
     return time.perf_counter() - t, outs
 
 
+def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int) -> tuple[float, list, dict]:
+    engine.set_speculative(method if k else "off", k or None)
+    engine.reset_prefix_cache()  # every run prefills its prompts
+    seconds, outs = run(engine, texts, max_tokens)
+    return seconds, outs, engine.stats()["speculative"] or {}
+
+
 def main(argv=None):
     bench, config = parse_engine_and_bench(__doc__, SpecBench, argv)
     drafts = [int(x) for x in bench.drafts.split(",")]
-    config.speculative_method, config.speculative_tokens = "ngram", max(max(drafts), 1)  # rows for the largest K
-    engine = Engine(config)
+    methods = bench.methods.split(",")
+    k_max = max(max(drafts), 1)  # logits rows for the largest K
+    # K = 0 (and n-gram) on an engine without an MTP layer: an MTP engine runs its MTP pass on every
+    # step, speculating or not, so its own K = 0 would understate the baseline.
+    engines = {"ngram": Engine(dataclasses.replace(config, speculative_method="ngram", speculative_tokens=k_max))}
+    if "mtp" in methods:
+        engines["mtp"] = Engine(dataclasses.replace(config, speculative_method="mtp", speculative_tokens=k_max))
+    base_engine = engines["ngram"]
     rows = []
     for workload in bench.workloads.split(","):
         first_base = None  # K = 0 outputs at the first batch: the same prompts lead every larger batch
         for batch in [int(x) for x in bench.batches.split(",")]:
             texts = prompts(workload, batch, bench.prompt_chars)
-            engine.set_speculative("off")
-            run(engine, texts, 8)  # first runs of this batch's buckets
-            base_s, base = None, None
-            for k in drafts:
-                engine.set_speculative("ngram" if k else "off", k or None)
-                engine.reset_prefix_cache()  # every run prefills its prompts
-                seconds, outs = run(engine, texts, bench.max_tokens)
+            for engine in engines.values():
+                engine.set_speculative("off")
+                run(engine, texts, 8)  # first runs of this batch's buckets
+            base_s, base, _ = measure(base_engine, "off", 0, texts, bench.max_tokens)
+            # the noise floor: one token per step, only the batch around these prompts changed
+            differ, first_diff = divergence(base, first_base) if first_base is not None else (None, None)
+            first_base = first_base if first_base is not None else base
+            runs = [("off", 0, base_s, base, {}, differ, first_diff)]
+            for method in methods:
+                for k in (k for k in drafts if k):
+                    seconds, outs, spec = measure(engines[method], method, k, texts, bench.max_tokens)
+                    runs.append((method, k, seconds, outs, spec, *divergence(outs, base)))
+            for method, k, seconds, outs, spec, differ, first_diff in runs:
                 tokens = sum(len(o.token_ids) for o in outs)
-                if k == 0:
-                    base_s, base = seconds, outs
-                    # the noise floor: one token per step, only the batch around these prompts changed
-                    ref, first_base = (first_base, first_base) if first_base is not None else (None, outs)
-                    differ, first_diff = divergence(outs, ref) if ref is not None else (None, None)
-                else:
-                    differ, first_diff = divergence(outs, base)
-                spec = engine.stats()["speculative"] or {}
                 rows.append({
-                    "workload": workload, "batch": batch, "K": k, "tok_per_s": tokens / seconds,
-                    "speedup": (base_s / seconds) if base_s else None, "tokens": tokens,
+                    "workload": workload, "batch": batch, "method": method, "K": k, "tok_per_s": tokens / seconds,
+                    "speedup": base_s / seconds, "tokens": tokens,
                     "acceptance": spec.get("acceptance_rate"), "accepted_per_step": spec.get("mean_accepted_per_step"),
                     "histogram": spec.get("accepted_histogram"),
                     "identical": None if k == 0 else differ == 0,
                     # K > 0: against K = 0 in this batch; K = 0: against K = 0 at the first batch
                     "requests_differing": differ, "first_difference_at": first_diff,
                 })
-                log.info("%s batch %d K=%d: %.1f tok/s", workload, batch, k, tokens / seconds)
-    print(table(rows, ["workload", "batch", "K", "tok_per_s", "speedup", "acceptance", "accepted_per_step",
+                log.info("%s batch %d %s K=%d: %.1f tok/s", workload, batch, method, k, tokens / seconds)
+    print(table(rows, ["workload", "batch", "method", "K", "tok_per_s", "speedup", "acceptance", "accepted_per_step",
                        "requests_differing", "first_difference_at"]))
-    dtype = str(engine.page_dtype)
+    dtype = str(base_engine.page_dtype)
     write_results("speculative", {"config": dataclasses.asdict(bench), "dtype": dtype, "engine": {
         k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows})
     if any(r["identical"] is False for r in rows):
