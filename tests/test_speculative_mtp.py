@@ -244,3 +244,97 @@ def test_drafts_after_every_step_are_the_mtp_layers(engine, reference, monkeypat
     assert len(seen) > 20
     wrong = [(seq, d, reference(seq)) for seq, d in seen if d != reference(seq)]
     assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
+
+
+# --- every layout and live switches (8 CPU devices) ----------------------------------------------
+def _switching(folder, n):
+    """n = 2 compiles what it runs (every program of four layouts takes minutes of compiles on a
+    2-core host; zero compiles after warm-up is checked at n = 8 and on one device)."""
+    return Engine(EngineConfig(model=str(folder), layout="tp", enable_switching=True, switch_chunk_pages=1,
+                               num_devices=n, warmup=n == 8,
+                               **dict(KW, max_num_batched_tokens=8, min_token_bucket=8, max_pages=64)))
+
+
+@pytest.fixture(scope="module")
+def switching(folder, request):
+    return _switching(folder, request.param)
+
+
+def _settle_in(engine, layout):
+    while engine.has_work():
+        engine.step()
+    if engine.layout.name != layout:
+        h = engine.switch_layout(layout)
+        while not h.done:
+            engine.step()
+
+
+def _run(engine, params, switches=(), rng=None):
+    """PROMPTS staggered over the first steps; each switch in `switches` starts once the previous is done."""
+    acc, ids, done, handles, step = {}, {}, {}, [], 0
+    pending, queue = list(enumerate(PROMPTS)), list(switches)
+    while pending or engine.has_work() or queue:
+        if pending and step % 2 == 0:
+            i, p = pending.pop(0)
+            ids[engine.add_request(p, params[i])] = i
+        if queue and engine.switcher.active is None and rng.random() < 0.6:
+            dst = queue.pop(0)
+            if dst != engine.layout.name:
+                handles.append(engine.switch_layout(dst))
+        for out in accumulate(acc, engine.step()):
+            if out.finished:
+                done[ids[out.request_id]] = out
+        step += 1
+        assert step < 1000
+    return [done[i] for i in range(len(PROMPTS))], handles
+
+
+# Slow: compiles dominate on a 2-core host (2 devices, compiled as used: ~100 s; 8 devices, every
+# program of four layouts warmed up: ~6 min). Run with -m slow -k layout.
+@pytest.mark.slow
+@pytest.mark.parametrize("switching", [2, 8], indirect=True, ids=["2-devices", "8-devices"])
+def test_every_layout_and_live_switches_keep_outputs_and_drafts(switching, engine, reference, monkeypatch):
+    """In tp, dp, dop and cp, and while live switches move the pages (the MTP layer's latents with
+    them): greedy outputs equal one token per step, the MTP drafts recorded after every step equal
+    the single-device reference, and nothing compiles."""
+    from splash_jax.switch.controller import SwitchState
+
+    params = [SamplingParams(max_tokens=m) for m in (20, 14, 17, 9)]
+    want = _generate(engine, "off", PROMPTS, params)  # the one-device engine, one token per step
+    oracle = {tuple(engine.tokenizer.encode(p, add_bos=True)): w.token_ids for p, w in zip(PROMPTS, want)}
+    seen = _recording(switching, monkeypatch)
+    hist = np.zeros(K + 1, np.int64)
+    with count_compiles() as compiles:
+        for layout in LAYOUT_NAMES:
+            _settle_in(switching, layout)
+            switching.scheduler.set_speculation(_OracleDrafter(oracle), K)  # accepts none, some or all
+            got, _ = _run(switching, params)
+            assert [g.token_ids for g in got] == [w.token_ids for w in want], layout
+            hist += switching.stats()["speculative"]["accepted_histogram"]
+        _settle_in(switching, "tp")
+        switching.scheduler.set_speculation(_OracleDrafter(oracle, seed=9), K)
+        got, handles = _run(switching, params, ["dp", "dop", "cp", "tp", "dop"], np.random.default_rng(3))
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        switching.set_speculative("mtp")  # the MTP layer's own drafts, across switches again
+        got, more = _run(switching, params, ["cp", "dp", "tp"], np.random.default_rng(4))
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    if switching.config.warmup:
+        assert compiles.count == 0, compiles.events
+    assert hist[0] > 0 and hist[K] > 0 and hist[1:K].sum() > 0, hist
+    assert sum(h.state == SwitchState.DONE for h in handles + more) >= 5
+    assert any(h.steps_overlapped > 1 and h.pages_copied > 0 for h in handles + more)  # pages moved in the background
+    wrong = [(seq, d) for seq, d in seen if d != reference(seq)]
+    assert len(seen) > 50 and not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
+
+
+def test_clear_errors(folder):
+    with pytest.raises(ValueError, match="num_nextn_predict_layers > 0.*has none"):
+        Engine(EngineConfig(model=str(RANDOM_TINY), **dict(KW, warmup=False)))
+    plain = Engine(EngineConfig(model=str(RANDOM_TINY), **dict(KW, warmup=False, speculative_method="ngram")))
+    assert plain.mtp is None and plain.executor.kv.num_layers == plain.model_config.num_layers  # no MTP layer pooled
+    with pytest.raises(ValueError, match="started with --speculative-method mtp"):
+        plain.set_speculative("mtp")
+    assert plain.config.speculative_method == "ngram"
+    off = load_model(folder, RuntimeOptions(dtype="float32"))  # an MTP checkpoint loaded without its layer
+    with pytest.raises(ValueError, match="built with its MTP layer"):
+        Engine(EngineConfig(**dict(KW, warmup=False)), model=off)

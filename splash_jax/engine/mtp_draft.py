@@ -310,7 +310,7 @@ class MtpDraftRunner:
         ex = self.ex
         mshape = MtpShape(ex.shape(ex.layout, bucket, expanded), self.k)
         mrep, mdev, chain_rows = pack_mtp(mshape, chunks, packed, tables, self.page_size)
-        self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, list(ex.step_inputs), mrep, mdev,
+        self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, list(ex.step_inputs[:2]), mrep, mdev,
                              chunks, chain_rows, keep)
 
     def fire(self, tokens: jax.Array) -> None:
