@@ -38,3 +38,25 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -c "import splash_jax, jax, flax" || { echo "installation failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
+
+# libtpu, the TPU compiler, for ahead-of-time TPU compiles on machines without TPUs (splash_jax/aot.py,
+# tests/test_tpu_*.py, docs/tpu.md): the version jax's own `tpu` extra pins, installed into
+# .venv/libtpu, off the import path. A libtpu that jax can import is probed at every start-up and
+# prints TPU-detection errors on a machine with no TPU; splash_jax/mesh/topology.py points
+# TPU_LIBRARY_PATH at this copy only while it builds a TPU topology. On a TPU VM install jax[tpu]
+# instead (docs/tpu.md); SPLASH_SKIP_LIBTPU=1 skips this step.
+if [ -z "${SPLASH_SKIP_LIBTPU:-}" ]; then
+  libtpu_req=$(.venv/bin/python - <<'PY'
+from importlib.metadata import requires
+print(next(r.split(";")[0].replace(" ", "") for r in requires("jax") or [] if r.startswith("libtpu") and "tpu" in r.split(";")[-1]))
+PY
+)
+  libtpu_stamp=.venv/libtpu/.splash-installed
+  if [ ! -f "$libtpu_stamp" ] || [ "$(cat "$libtpu_stamp")" != "$libtpu_req" ]; then
+    echo "installing $libtpu_req (compile-only) into .venv/libtpu" >&2
+    rm -rf .venv/libtpu
+    .venv/bin/python -m pip install -q --no-deps --target .venv/libtpu "$libtpu_req" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    [ -f .venv/libtpu/libtpu/libtpu.so ] || { echo "libtpu installation failed" >&2; exit 1; }
+    echo "$libtpu_req" > "$libtpu_stamp"
+  fi
+fi

@@ -1,4 +1,4 @@
-"""Chooses the paged MLA attention implementation: the Pallas kernel on GPU, XLA elsewhere.
+"""Chooses the paged MLA attention implementation: a Pallas kernel on GPU and TPU, XLA elsewhere.
 
 Every caller (model, layouts) goes through `paged_attention`, so swapping the kernel in or out
 is one flag (`impl`, the model's `--attention-impl`) and never touches model code. All
@@ -8,7 +8,7 @@ same (out, lse) result).
   "auto"   -> on a Hopper GPU with >= 64 heads per device and the DeepSeek latent (512 + 64,
               bf16, pages of a multiple of 64 tokens): "mosaic"; on other GPUs/shapes "pallas"
               when the shapes suit it (power-of-two L, R >= 16 and page size); else "xla" (CPU,
-              TPU, odd test shapes).
+              odd test shapes); on TPU "pallas_tpu" for the shapes it takes, else "xla".
   "xla"    -> the XLA reference, on any backend.
   "pallas" -> the Pallas Triton kernel on GPU; on CPU it runs in interpret mode (slow; for tests).
               Not available on TPU (the kernel is written for the Triton backend).
@@ -16,12 +16,17 @@ same (out, lse) result).
               `pallas_kernels/mla_decode_mgpu.py`): 64 heads per program, 1.5-1.9x the Triton
               kernel at 64-128 heads on an H200 (~410-470 TFLOP/s at 128); under 64 heads the
               Triton kernel stays (memory-bound there, and the head padding would cost).
+  "pallas_tpu" -> the Pallas Mosaic TPU kernel (`pallas_kernels/mla_decode_tpu.py`: pages DMA'd
+              from HBM by the page table, split over the KV length, log-sum-exp merge); on CPU
+              it runs in Pallas's TPU interpret mode (tests).
   "pallas_grouped" -> the Pallas kernel that groups a chunk's queries so each cached page is read
               once per block of query tokens (`pallas_kernels/mla_grouped.py`; chunked prefill).
               Opt-in: exact in interpret mode, not yet compiled on a GPU.
 
-The choice is made in Python from static shapes and `jax.default_backend()`, so it works under
-`jit` and inside `jax.shard_map` (per-device shapes). The compiled GPU kernel declares how its
+The choice is made in Python from static shapes and the target platform (`target_platform()`:
+`jax.default_backend()`, or the platform `compiling_for` names while a program is lowered for
+devices this process does not have, as splash_jax/aot.py lowers for a TPU topology on a CPU
+host), so it works under `jit` and inside `jax.shard_map` (per-device shapes). The compiled GPU kernel declares how its
 outputs vary, so it runs under `shard_map(check_vma=True)`; interpret mode (CPU) inside
 `shard_map` needs `check_vma=False`: the interpreter's internal slicing carries no
 varying-axes annotation and fails the check.
@@ -29,12 +34,32 @@ varying-axes annotation and fails the check.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 
 from splash_jax.attention.paged_reference import paged_mla_attention
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "pallas_grouped")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "pallas_grouped", "pallas_tpu")
 MOSAIC_MIN_HEADS = 64  # below this the Triton kernel is as fast (benchmarks/mla_decode.py, H200)
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("splash_target_platform", default=None)
+
+
+def target_platform() -> str:
+    """The platform the programs being traced will run on ("cpu", "gpu", "tpu")."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+    """Trace for `platform` instead of this process's backend (ahead-of-time compiles for a
+    topology without its devices: kernels lower for it, not in interpret mode)."""
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 def _pallas_supports(q_latent, q_rope, latent) -> bool:
@@ -55,14 +80,23 @@ def _is_hopper() -> bool:
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
+def _tpu_supports(q_latent, q_rope, latent) -> bool:
+    from pallas_kernels.mla_decode_tpu import supports
+
+    return supports(q_latent.shape, q_rope.shape, latent.shape)
+
+
 def resolve_impl(impl: str, q_latent=None, q_rope=None, latent=None) -> str:
-    """'auto' -> 'mosaic' or 'pallas' on GPU (for shapes the kernels take), else 'xla'. Unknown
-    names fail."""
+    """'auto' -> 'mosaic' or 'pallas' on GPU, 'pallas_tpu' on TPU (for shapes the kernels take),
+    else 'xla'. Unknown names fail."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose from {IMPLEMENTATIONS}")
     if impl != "auto":
         return impl
-    if jax.default_backend() != "gpu":
+    platform = target_platform()
+    if platform == "tpu":
+        return "pallas_tpu" if q_latent is None or _tpu_supports(q_latent, q_rope, latent) else "xla"
+    if platform != "gpu":
         return "xla"
     if q_latent is None:
         return "pallas"
@@ -76,7 +110,14 @@ def paged_attention(q_latent, q_rope, latent, rope, page_table, kv_lens, scale, 
     impl = resolve_impl(impl, q_latent, q_rope, latent)
     if impl == "xla":
         return paged_mla_attention(q_latent, q_rope, latent, rope, page_table, kv_lens, scale)
-    backend = jax.default_backend()
+    backend = target_platform()
+    if impl == "pallas_tpu":
+        if backend not in ("tpu", "cpu"):
+            raise NotImplementedError(f"attention implementation 'pallas_tpu' is not available on {backend}")
+        from pallas_kernels.mla_decode_tpu import paged_mla_decode_tpu
+
+        return paged_mla_decode_tpu(q_latent, q_rope, latent, rope, page_table, kv_lens, scale,
+                                    interpret=backend == "cpu")
     if backend not in ("gpu", "cpu"):
         raise NotImplementedError(f"attention implementation {impl!r} is not available on {backend}")
     if impl == "mosaic":

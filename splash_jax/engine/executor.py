@@ -233,8 +233,17 @@ class StepExecutor:
         self.per_device = NamedSharding(mesh, P(AXIS))
         self.pool_sharding = NamedSharding(mesh, POOL_SPEC)
         vocab = model.cfg.vocab_size
-        self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
-        self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
+        # An abstract pool (ShapeDtypeStructs: splash_jax/aot.py, a TPU topology with no devices)
+        # makes an executor that only lowers and compiles: its device state is shapes, never arrays.
+        self.abstract = isinstance(kv.latent, jax.ShapeDtypeStruct)
+        if self.abstract:
+            self.penalties = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
+                jax.eval_shape(lambda: PenaltyState.zeros(num_slots, vocab)))
+            self.prev_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
+        else:
+            self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
+            self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
         self._compiled: dict[tuple[str, Bucket, bool, bool, bool], object] = {}
         self._samplers: dict[tuple[int, SamplerMode], object] = {}  # (logits rows, mode) -> compiled
         self._open_masks: dict[int, jax.Array] = {}  # logits rows -> all-ones token mask on the device
@@ -414,7 +423,7 @@ class StepExecutor:
 
     def compile_samplers(self, layouts: list[Layout]) -> int:
         """Compile the sampler program of every (rows, mode) these layouts' full steps can need."""
-        todo = [(r, m) for r in self.sampler_rows(layouts) for m in SAMPLER_MODES if (r, m) not in self._samplers]
+        todo = [key for key in self.sampler_keys(layouts) if key not in self._samplers]
         with self.compile_stats.track("samplers") as rec:
             for key in todo:
                 self._samplers[key] = self.lower_sampler(*key).compile()
@@ -455,6 +464,23 @@ class StepExecutor:
             min_tokens = max(1, min_tokens // self.n)
         return bucket_ladder(max_tokens, max_requests, min_tokens)
 
+    def program_layouts(self, layouts: list[Layout] | None = None) -> list[Layout]:
+        """The distinct layouts whose programs serve `layouts` (default: the current one)."""
+        return list(dict.fromkeys(self.program_layout(l) for l in (layouts or [self.layout])))
+
+    def program_keys(self, layouts: list[Layout], moving: bool = False) -> list[tuple]:
+        """(layout, bucket, moving, full, expanded) of every step program `compile_all` builds for
+        `layouts`: each bucket with both samplers (greedy, full), the `moving` variants when
+        switching, and the `expanded` variant (not moving) of the buckets that have one."""
+        variants = (False, True) if moving and self.move_pages else (False,)
+        return [(lay, b, m, f, e) for lay in self.program_layouts(layouts) for b in self.buckets(lay)
+                for m in variants for f in (False, True)
+                for e in ((False, True) if self.expands(lay, b) and not m else (False,))]
+
+    def sampler_keys(self, layouts: list[Layout]) -> list[tuple[int, SamplerMode]]:
+        """(logits rows, mode) of every sampler program these layouts' full steps can need."""
+        return [(r, m) for r in self.sampler_rows(layouts) for m in SAMPLER_MODES]
+
     def compile_all(
         self, layouts: list[Layout] | None = None, moving: bool = False, show_progress: bool = True, threads: int = 1,
     ) -> float:
@@ -463,11 +489,8 @@ class StepExecutor:
         that have one (`expands`). threads > 1: lowering stays in this thread (tracing holds
         the GIL) and each lowered program is compiled in a pool as soon as it is lowered;
         threads 0: `auto_compile_threads()`."""
-        layouts = list(dict.fromkeys(self.program_layout(l) for l in (layouts or [self.layout])))
-        variants = (False, True) if moving and self.move_pages else (False,)
-        todo = [(lay, b, m, f, e) for lay in layouts for b in self.buckets(lay) for m in variants for f in (False, True)
-                for e in ((False, True) if self.expands(lay, b) and not m else (False,))
-                if (lay.name, b, m, f, e) not in self._compiled]
+        layouts = self.program_layouts(layouts)
+        todo = [key for key in self.program_keys(layouts, moving) if (key[0].name, *key[1:]) not in self._compiled]
         workers = max(1, min(len(todo), threads or auto_compile_threads()))
         with self.compile_stats.track("steps") as rec, tqdm(
             total=len(todo), desc="compiling steps", unit="program", disable=not show_progress, leave=False,

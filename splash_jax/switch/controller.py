@@ -30,11 +30,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from splash_jax.kv.allocator import OutOfPages, pages_for_tokens
-from splash_jax.mesh.layouts import POOL_SPEC, Layout, get_layout
+from splash_jax.mesh.layouts import Layout, get_layout
 from splash_jax.switch.migration import (
     PageChunk, PageMover, WeightResharder, chunk_buffer, drop_extra_segment, locate_copies, move_sentinel, pack_located,
 )
 from splash_jax.switch.copy_queue import PairQueues
+from splash_jax.switch.programs import MOVER_LAYOUTS, handoff_chunk_pages, lower_extra_segment, weight_reshards
 
 SHARED_CODE = -1  # the request code of the switch's own copies (of pages several requests share)
 from splash_jax.switch.dst_tables import DestinationTables
@@ -121,16 +122,18 @@ class SwitchController:
         self._reset_queue()
         self.handoff_chunk_pages = self._handoff_chunk_pages()  # the handoff mover's compiled K
         ex = engine.executor
-        layouts = [get_layout(n) for n in ("dp", "tp")]  # one without and one with the extra segment
+        layouts = [get_layout(n) for n in MOVER_LAYOUTS]  # one without and one with the extra segment
         self.movers = {}
         self.resharder = WeightResharder(engine.mesh)
-        with ex.compile_stats.track("migration") as rec:
+        with ex.compile_stats.track("migration") as rec:  # the programs switch/programs.py enumerates
             for lay in layouts:
                 structure = ex.kv_abstract(lay).num_segments
                 if structure not in self.movers:
                     self.movers[structure] = PageMover(engine.mesh, ex.kv_abstract(lay), self.handoff_chunk_pages)
-            self._precompile_weight_programs()
-            self._make_extra = self._extra_segment_program()
+            for abstracts, src, dst in weight_reshards(ex):
+                self.resharder.program(abstracts, src, dst)
+            lowered = lower_extra_segment(engine.mesh, ex)
+            self._make_extra = None if lowered is None else lowered.compile()
             rec["programs"] = len(self.movers) + len(self.resharder._programs) + (self._make_extra is not None)
         log.info("compiled %d migration programs in %.1fs (%d from the persistent cache)",
                  rec["programs"], rec["seconds"], rec["cache_hits"])
@@ -146,29 +149,6 @@ class SwitchController:
         self._leaf_bytes_cache: dict[tuple[str, int], int] = {}  # (layout, leaf) -> bytes per device
         self.max_catch_ups = 2  # background rounds for pages filled during the copies (see _catch_up)
         self.history: list[SwitchHandle] = []
-
-    # --- start-up compilation ------------------------------------------------------------------
-    def _precompile_weight_programs(self) -> None:
-        head, flat = get_layout("tp"), get_layout("dp")
-        items = [(path, x) for path, x in self.engine.executor.param_items() if head.param_spec(path) != flat.param_spec(path)]
-        if items:
-            abstracts = [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in items]
-            sharded, replicated = [head.param_spec(p) for p, _ in items], [flat.param_spec(p) for p, _ in items]
-            self.resharder.program(abstracts, sharded, replicated)
-            self.resharder.program(abstracts, replicated, sharded)
-
-    def _extra_segment_program(self):
-        ex = self.engine.executor
-        if not ex.extra_pages_total:
-            return None
-        target = ex.kv_abstract(get_layout("tp"))
-        shapes = (target.extra_latent, target.extra_rope)
-
-        def zeros():
-            return tuple(jax.numpy.zeros(s.shape, s.dtype) for s in shapes)
-
-        sharding = NamedSharding(self.engine.mesh, POOL_SPEC)
-        return jax.jit(zeros, out_shardings=tuple(sharding for _ in shapes)).lower().compile()
 
     # --- API -------------------------------------------------------------------------------------
     def start(self, dst_name: str, preempt: bool = False) -> SwitchHandle:
@@ -230,15 +210,10 @@ class SwitchController:
         """Pages a request needs, counting the token its next step writes (as capacity_check does)."""
         return pages_for_tokens(request.num_tokens + 1, self.engine.config.page_size)
 
-    def _handoff_chunk_pages(self, budget_bytes: int = 256 * 2**20) -> int:
-        """Pages per device pair in one call of the handoff's mover: room for one partial last page
-        per running request, so the handoff makes one call instead of max_num_seqs / chunk_pages
-        (each a program launch and an index upload; that phase took 2-8 ms on 2 H200s with several
-        calls, one call is not yet measured there), capped so its in-flight buffer (N x K pages, all
-        layers) stays under `budget_bytes`."""
+    def _handoff_chunk_pages(self) -> int:
+        """Pages per device pair in one call of the handoff's mover (switch/programs.py)."""
         engine = self.engine
-        cap = budget_bytes // max(1, engine.n * engine.page_bytes)
-        return max(self.chunk_pages, min(engine.config.max_num_seqs, cap))
+        return handoff_chunk_pages(self.chunk_pages, engine.config.max_num_seqs, engine.n, engine.page_bytes)
 
     def metrics(self) -> dict:
         """Totals over finished switches, and the last one."""

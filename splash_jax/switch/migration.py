@@ -160,6 +160,12 @@ class PageMover:
 
     def __init__(self, mesh, kv_abstract: KVCache, k: int):
         self.mesh, self.k = mesh, k
+        self.compiled = self.lower(mesh, kv_abstract, k).compile()
+        self.index_sharding = NamedSharding(mesh, P(AXIS))
+
+    @staticmethod
+    def lower(mesh, kv_abstract: KVCache, k: int):
+        """The mover for this pool structure and K, lowered from abstract inputs (no devices needed)."""
         n = mesh.shape[AXIS]
         per_device = NamedSharding(mesh, P(AXIS))
 
@@ -170,8 +176,7 @@ class PageMover:
         kv_specs = jax.tree.map(lambda _: POOL_SPEC, kv_abstract)
         mapped = jax.shard_map(per_device_fn, mesh=mesh, in_specs=(kv_specs, P(AXIS)), out_specs=kv_specs, check_vma=False)
         idx = jax.ShapeDtypeStruct((n, len(MOVE_FIELDS) * n * k), jnp.int32, sharding=per_device)
-        self.compiled = jax.jit(mapped, donate_argnums=(0,)).lower(kv_abstract, idx).compile()
-        self.index_sharding = per_device
+        return jax.jit(mapped, donate_argnums=(0,)).lower(kv_abstract, idx)
 
     def __call__(self, kv: KVCache, chunk: PageChunk) -> KVCache:
         return self.compiled(kv, jax.device_put(chunk_buffer(chunk), self.index_sharding))
@@ -191,11 +196,15 @@ class WeightResharder:
     def program(self, abstracts: list[jax.ShapeDtypeStruct], src_specs: list[P], dst_specs: list[P]):
         key = (tuple((a.shape, a.dtype) for a in abstracts), tuple(src_specs), tuple(dst_specs))
         if key not in self._programs:
-            srcs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, s))
-                    for a, s in zip(abstracts, src_specs)]
-            fn = jax.jit(lambda *xs: xs, out_shardings=tuple(NamedSharding(self.mesh, s) for s in dst_specs))
-            self._programs[key] = fn.lower(*srcs).compile()
+            self._programs[key] = self.lower(abstracts, src_specs, dst_specs).compile()
         return self._programs[key]
+
+    def lower(self, abstracts: list[jax.ShapeDtypeStruct], src_specs: list[P], dst_specs: list[P]):
+        """The reshard identity for these leaves, lowered from abstract inputs."""
+        srcs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, s))
+                for a, s in zip(abstracts, src_specs)]
+        fn = jax.jit(lambda *xs: xs, out_shardings=tuple(NamedSharding(self.mesh, s) for s in dst_specs))
+        return fn.lower(*srcs)
 
     def __call__(self, xs: list[jax.Array], dst_specs: list[P], delete_sources: bool = True) -> list[jax.Array]:
         abstracts = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
