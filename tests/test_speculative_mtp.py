@@ -246,6 +246,22 @@ def test_drafts_after_every_step_are_the_mtp_layers(engine, reference, monkeypat
     assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
 
 
+def test_full_sampler_steps_feed_the_draft_program(engine, reference, monkeypatch):
+    """Steps whose rows want logprobs or draw run the sampler program after the step program; the
+    draft program runs on its tokens: greedy rows with logprobs keep the outputs and the drafts
+    equal the reference; seeded sampled rows reproduce."""
+    params = SamplingParams(max_tokens=12, logprobs=2)
+    want = _generate(engine, "off", PROMPTS[:2], params)
+    seen = _recording(engine, monkeypatch)
+    got = engine.generate(PROMPTS[:2], params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, atol=2e-4)
+    assert seen and all(d == reference(seq) for seq, d in seen)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
+    a, b = (engine.generate(PROMPTS[:2], sampled) for _ in range(2))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+
+
 # --- every layout and live switches (8 CPU devices) ----------------------------------------------
 def _switching(folder, n):
     """n = 2 compiles what it runs (every program of four layouts takes minutes of compiles on a

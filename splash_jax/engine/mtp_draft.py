@@ -200,7 +200,7 @@ class MtpDraftRunner:
         layout = ex.program_layout(layout)
         ctx = ShardedContext(layout, ex.n, ex.impl)
         graphdef, treedef = ex.graphdef, ex.treedef
-        rows, cq, owner_rows, n = shape.rows, shape.requests, shape.owner_rows, ex.n
+        rows, cq, owner_rows = shape.rows, shape.requests, shape.owner_rows
 
         def per_device(params, kv, hidden, tokens, rep, dev, mrep, mdev):
             batch, sampling, _, _ = unpack_step(shape, rep, dev[0], tokens)  # without overlap no token is device-fed
