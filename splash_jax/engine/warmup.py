@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 def run_every_program_once(engine, full_sampler: bool = True) -> int:
     """Execute each compiled step program once on an all-padding step (no request; padding rows
     write no page a request owns), in every layout when switching, and end in the layout the engine
-    started in. Returns the number of programs run (sampler programs included). Only while idle;
+    started in. Returns the number of programs run (sampler and MTP draft programs included). Only while idle;
     the start-up switches it makes are not counted in the switch history. full_sampler=False: the
     greedy programs only (a caller that compiled only those)."""
     if engine.scheduler.running or engine.scheduler.waiting or engine._inflight is not None:
@@ -45,10 +45,15 @@ def run_every_program_once(engine, full_sampler: bool = True) -> int:
                         for full in (False, True) if full_sampler else (False,):
                             # a full step once per sampler mode, so every sampler program runs too
                             for mode in SAMPLER_MODES if full else (FULL_MODE,):  # greedy: no sampler program
-                                ex.run(bucket, packed.rep, packed.dev, move, full, expanded, mode)
+                                out = ex.run(bucket, packed.rep, packed.dev, move, full, expanded, mode)
                                 if full:
                                     samplers.add((shape.rows, mode))
                             count += 1
+                            if engine.mtp is not None and move is None and not full:
+                                # the (layout, bucket) draft program, which serves every variant
+                                engine.mtp.arm(bucket, expanded, packed, [], engine.scheduler.tables, keep=False)
+                                engine.mtp.fire(out.tokens)
+                                count += 1
         switch_while_idle(engine, start)
         count += len(samplers)
     finally:
