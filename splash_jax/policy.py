@@ -113,7 +113,8 @@ class RooflineCosts:
         self.heads = cfg.num_heads
         self.hidden = cfg.hidden_size
         self.dtype_bytes = engine.executor.pool.latent.dtype.itemsize
-        self.kv_bytes_per_token = cfg.num_layers * cfg.latent_dim * self.dtype_bytes
+        # every pool layer's latent is read each step: the MTP layer's too (its draft program attends)
+        self.kv_bytes_per_token = engine.pool_config.num_layers * cfg.latent_dim * self.dtype_bytes
         self.head_bytes = engine.head_sharded_bytes
         total = sum(x.nbytes for _, x in engine.executor.param_items())
         self.other_weight_bytes = (total - engine.head_sharded_bytes) / engine.n  # sharded in every layout
