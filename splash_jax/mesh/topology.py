@@ -74,6 +74,8 @@ def topology_mesh(topology: str) -> Mesh:
     elif not have_libtpu():
         raise RuntimeError("no libtpu: run ./scripts/setup.sh (it installs a compile-only copy in .venv/libtpu)")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server off Cloud TPU VMs
+    if path is not None:  # the compile-only copy opens no chip: several processes may load it at once
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # (else libtpu's /tmp lockfile refuses)
     from jax.experimental import topologies
 
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
