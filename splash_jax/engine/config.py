@@ -30,7 +30,7 @@ class EngineConfig:
     # Shardy's GPU compile segfaulted on owner-layout (dp/dop) steps of 64 tokens per device on 2 H200s,
     # GSPMD compiled the same program in 2.4 s; shardy elsewhere). A process-wide jax setting.
     partitioner: str = "auto"
-    attention_impl: str = "auto"  # auto | xla | pallas (Triton) | mosaic (Hopper, >= 64 heads) | pallas_grouped
+    attention_impl: str = "auto"  # auto | xla | pallas (Triton) | mosaic (Hopper, >= 64 heads) | pallas_grouped | pallas_tpu
     # Routed experts: auto (the Pallas grouped kernel on GPUs, XLA elsewhere) | xla | pallas (interpret
     # mode off GPUs: tests) | ragged | mgpu (Hopper) | gathered | dense (splash_jax/moe.py; docs/kernels.md)
     moe_impl: str = "auto"
