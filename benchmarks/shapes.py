@@ -31,7 +31,7 @@ DEEPSEEK_V3 = {
     "max_position_embeddings": 163840, "rope_theta": 10000,
     "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "bos_token_id": 0, "eos_token_id": 1,
+    "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1,
 }
 
 SHAPES = {"v2-lite": DEEPSEEK_V2_LITE, "v3": DEEPSEEK_V3}

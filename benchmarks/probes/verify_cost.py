@@ -12,6 +12,10 @@ in one chunk per request, times that one step (GPU busy from a profiler trace; t
 overlapped scheduling off), and aborts them. K = 0 is the plain decode step. With per-token
 acceptance a, a step of K drafts yields (1 - a^(K+1)) / (1 - a) tokens, so it pays off when that
 exceeds its cost ratio: the break-even a is printed. Writes JSON to benchmarks/results/.
+
+With `--speculative-method mtp` (and `--mtp-layers 1` for a shape without one) every step also
+runs the MTP draft program (the MTP pass over the step's tokens and the K-draft chain), which the
+profiled window includes: run once without and once with it for the draft program's cost.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ log = logging.getLogger("benchmarks.probes.verify_cost")
 class ProbeConfig:
     shape: str = "v2-lite"  # v2-lite | v3 (dummy weights)
     num_layers: int = 0  # layers of the slice (0 = the full model)
+    mtp_layers: int = -1  # num_nextn_predict_layers of the dummy checkpoint (-1: the shape's own)
     batches: str = "1,8,32"
     drafts: str = "0,1,2,4"  # K; 0 = the plain decode step
     context: int = 1024  # cached tokens before the K + 1 verified ones
@@ -68,7 +73,10 @@ def one_step(engine: Engine, batch: int, k: int, context: int, rng) -> None:
 
 def main(argv=None):
     c, config = parse_engine_and_bench(__doc__, ProbeConfig, argv, "probe")
-    config.model = str(shape_folder(c.shape, **({"num_hidden_layers": c.num_layers} if c.num_layers else {})))
+    overrides = {"num_hidden_layers": c.num_layers} if c.num_layers else {}
+    if c.mtp_layers >= 0:
+        overrides["num_nextn_predict_layers"] = c.mtp_layers
+    config.model = str(shape_folder(c.shape, **overrides))
     config.load_format, config.overlap_scheduling = "dummy", False
     engine = Engine(config)
     rng = np.random.default_rng(0)
