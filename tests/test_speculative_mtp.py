@@ -305,10 +305,10 @@ def _run(engine, params, switches=(), rng=None):
     return [done[i] for i in range(len(PROMPTS))], handles
 
 
-# Slow: compiles dominate on a 2-core host (2 devices, compiled as used: ~100 s; 8 devices, every
-# program of four layouts warmed up: ~6 min). Run with -m slow -k layout.
-@pytest.mark.slow
-@pytest.mark.parametrize("switching", [2, 8], indirect=True, ids=["2-devices", "8-devices"])
+# Compiles dominate on a 2-core host: 2 devices, compiled as used, ~50-70 s (default suite);
+# 8 devices with every program of four layouts warmed up, ~6 min (slow: -m slow -k layout).
+@pytest.mark.parametrize("switching", [2, pytest.param(8, marks=pytest.mark.slow)], indirect=True,
+                         ids=["2-devices", "8-devices"])
 def test_every_layout_and_live_switches_keep_outputs_and_drafts(switching, engine, reference, monkeypatch):
     """In tp, dp, dop and cp, and while live switches move the pages (the MTP layer's latents with
     them): greedy outputs equal one token per step, the MTP drafts recorded after every step equal
