@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as Ps
 
+from attention_checks import assert_attention_matches
 from pallas_kernels.mla_combine import combine_splits
 from pallas_kernels.mla_decode import paged_mla_decode
 from pallas_kernels.mla_decode_config import DecodeConfig, plan_splits
@@ -47,16 +48,6 @@ def _reference(q_lat, q_rope, latent, rope, table, lens, scale):
     return paged_mla_attention(f32(q_lat), f32(q_rope), f32(latent), f32(rope), table, lens, scale)
 
 
-def _assert_matches(got, want, seed, tol=2e-5):
-    out, lse = (np.asarray(x, np.float32) for x in got)
-    ref_out, ref_lse = (np.asarray(x, np.float32) for x in want)
-    assert np.isfinite(out).all(), f"seed {seed}: non-finite output"
-    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol, err_msg=f"seed {seed}")
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse), err_msg=f"seed {seed}")
-    fin = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol, err_msg=f"seed {seed}")
-
-
 def _seed():
     return int(np.random.SeedSequence().generate_state(1)[0])
 
@@ -79,7 +70,7 @@ def test_interpret_matches_reference(page_size, cfg):
     lens = [1, S - 1, S, 3 * S + 1, 0, M * S, 2 * S + 3]
     args = _problem(seed, T=7, H=3, L=32, R=16, P=40, S=S, M=M, lens=lens)
     got = paged_mla_decode(*args, 0.3, config=cfg, interpret=True)
-    _assert_matches(got, _reference(*args, 0.3), seed)
+    assert_attention_matches(got, _reference(*args, 0.3), seed)
     assert np.all(np.asarray(got[0])[np.asarray(lens) == 0] == 0)
 
 
@@ -100,7 +91,7 @@ def test_never_written_slots_cannot_leak():
     for cfg in (DecodeConfig(block_k=4, num_splits=2), DecodeConfig(block_k=8, num_splits=1)):
         got = paged_mla_decode(q_lat, q_rope, jnp.asarray(lat), jnp.asarray(rp), table, kv_lens, 0.5,
                                config=cfg, interpret=True)
-        _assert_matches(got, want, seed)
+        assert_attention_matches(got, want, seed)
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
@@ -165,7 +156,7 @@ def test_empty_batch_and_lengths_past_the_table():
     assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
     got = paged_mla_decode(q_lat, q_rope, latent, rope, table, kv_lens.at[0].set(1000), 0.5,
                            config=DecodeConfig(block_k=4, num_splits=2), interpret=True)
-    _assert_matches(got, _reference(*args, 0.5), seed)
+    assert_attention_matches(got, _reference(*args, 0.5), seed)
 
 
 def test_dispatch_resolves_by_backend_and_flag():
@@ -203,11 +194,11 @@ def test_dispatch_pallas_under_jit_and_shard_map():
     per = P // n
     glob_table = local_table + (jnp.arange(T) * per)[:, None]
     want = _reference(q_lat, q_rope, latent, rope, glob_table, kv_lens, 0.25)
-    _assert_matches(got, want, seed)
+    assert_attention_matches(got, want, seed)
     assert dispatch.resolve_impl("auto") == "xla"
     xla = jax.jit(functools.partial(dispatch.paged_attention, scale=0.25, impl="auto"))(
         q_lat, q_rope, latent, rope, glob_table, kv_lens)
-    _assert_matches(xla, want, seed)
+    assert_attention_matches(xla, want, seed)
 
 
 def test_compiled_kernel_traces_under_shard_map_with_check_vma():
@@ -340,7 +331,7 @@ def test_grouped_kernel_equals_the_reference_on_a_packed_step(block_q, splits):
     args = _packed_step(seed)
     assert np.asarray(run_offsets(args[4], args[5])).tolist() == [0, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 0, -1, -1, -1]
     got = paged_mla_grouped(*args, 0.3, block_q=block_q, splits=splits, interpret=True)
-    _assert_matches(got, _reference(*args, 0.3), seed)
+    assert_attention_matches(got, _reference(*args, 0.3), seed)
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpret-mode dispatch is the CPU path")
@@ -348,7 +339,7 @@ def test_grouped_kernel_through_dispatch():
     seed = _seed()
     args = _packed_step(seed)
     got = jax.jit(lambda *a: dispatch.paged_attention(*a, 0.3, impl="pallas_grouped"))(*args)
-    _assert_matches(got, _reference(*args, 0.3), seed)
+    assert_attention_matches(got, _reference(*args, 0.3), seed)
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU path")

@@ -17,13 +17,13 @@ from safetensors.numpy import save_file
 
 from splash_jax.compile_guard import count_compiles
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
-from splash_jax.engine.request import accumulate
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import LAYOUT_NAMES
 from splash_jax.model import DeepseekForCausalLM, RuntimeOptions
 from splash_jax.model_config import ModelConfig
 from splash_jax.weights.export import hf_tensors
 from splash_jax.weights.loader import load_model
+from switch_workload import run_with_switches, settle_in
 
 RANDOM_TINY = Path(__file__).parent / "fixtures" / "splash_tiny_random"  # 3 layers, vocab 1024, a tokenizer
 PAGE = 8
@@ -194,7 +194,7 @@ def test_first_drafts_are_the_mtp_layer_chained_on_itself(engine, folder):
 def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
     params = [SamplingParams(max_tokens=m) for m in (24, 17, 21, 9)]
     want = _generate(engine, "off", PROMPTS, params)
-    steps, before = engine.num_steps, engine.stats()["speculative"]
+    dispatched, before = engine.mtp.num_dispatched, engine.stats()["speculative"]
     with count_compiles() as compiles:
         got = engine.generate(PROMPTS, params)
     assert compiles.count == 0, compiles.events  # step and draft programs were all compiled at start-up
@@ -202,7 +202,7 @@ def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.text for g in got] == [w.text for w in want]
     assert spec["verify_chunks"] > before["verify_chunks"] and spec["draft_tokens"] > before["draft_tokens"]
-    assert engine.mtp.num_dispatched > 0
+    assert engine.mtp.num_dispatched > dispatched  # the draft program ran in this generate
 
 
 def test_max_tokens_and_stop_strings_inside_verify_chunks(engine):
@@ -276,32 +276,10 @@ def switching(folder, request):
     return _switching(folder, request.param)
 
 
-def _settle_in(engine, layout):
-    while engine.has_work():
-        engine.step()
-    if engine.layout.name != layout:
-        h = engine.switch_layout(layout)
-        while not h.done:
-            engine.step()
-
-
 def _run(engine, params, switches=(), rng=None):
-    """PROMPTS staggered over the first steps; each switch in `switches` starts once the previous is done."""
-    acc, ids, done, handles, step = {}, {}, {}, [], 0
-    pending, queue = list(enumerate(PROMPTS)), list(switches)
-    while pending or engine.has_work() or queue:
-        if pending and step % 2 == 0:
-            i, p = pending.pop(0)
-            ids[engine.add_request(p, params[i])] = i
-        if queue and engine.switcher.active is None and rng.random() < 0.6:
-            dst = queue.pop(0)
-            if dst != engine.layout.name:
-                handles.append(engine.switch_layout(dst))
-        for out in accumulate(acc, engine.step()):
-            if out.finished:
-                done[ids[out.request_id]] = out
-        step += 1
-        assert step < 1000
+    """PROMPTS arriving every other step; each switch in `switches` starts once the previous is done."""
+    done, handles = run_with_switches(engine, PROMPTS, [p.max_tokens for p in params], range(0, 2 * len(PROMPTS), 2),
+                                      switches, rng, max_steps=1000)
     return [done[i] for i in range(len(PROMPTS))], handles
 
 
@@ -322,12 +300,12 @@ def test_every_layout_and_live_switches_keep_outputs_and_drafts(switching, engin
     hist = np.zeros(K + 1, np.int64)
     with count_compiles() as compiles:
         for layout in LAYOUT_NAMES:
-            _settle_in(switching, layout)
+            settle_in(switching, layout)
             switching.scheduler.set_speculation(_OracleDrafter(oracle), K)  # accepts none, some or all
             got, _ = _run(switching, params)
             assert [g.token_ids for g in got] == [w.token_ids for w in want], layout
             hist += switching.stats()["speculative"]["accepted_histogram"]
-        _settle_in(switching, "tp")
+        settle_in(switching, "tp")
         switching.scheduler.set_speculation(_OracleDrafter(oracle, seed=9), K)
         got, handles = _run(switching, params, ["dp", "dop", "cp", "tp", "dop"], np.random.default_rng(3))
         assert [g.token_ids for g in got] == [w.token_ids for w in want]

@@ -15,6 +15,7 @@ from splash_jax.compile_guard import count_compiles
 from splash_jax.engine.request import accumulate
 from splash_jax.structured import StructuredOutputs
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
+from switch_workload import run_with_switches, settle_in as _settle_in
 from splash_jax.mesh.layouts import LAYOUT_NAMES, get_layout
 from splash_jax.switch.controller import SwitchState
 
@@ -94,39 +95,8 @@ def fixed_outputs():
 
 
 def run(engine, switches, rng=None, prompts=PROMPTS, arrivals=ARRIVALS, max_tokens=MAX_TOKENS):
-    """Staggered workload; when `switches` (list of layouts) is given, start the next switch as soon
-    as the previous one is done, at random steps. Returns (outputs by prompt index, handles)."""
-    acc = {}
-    pending = list(zip(arrivals, range(len(prompts))))
-    ids, done, handles, step = {}, {}, [], 0
-    queue = list(switches or [])
-    while pending or engine.has_work() or queue:
-        while pending and pending[0][0] <= step:
-            _, i = pending.pop(0)
-            ids[engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i]))] = i
-        if queue and engine.switcher.active is None and (rng is None or rng.random() < 0.6):
-            dst = queue.pop(0)
-            if dst != engine.layout.name:
-                handles.append(engine.switch_layout(dst))
-        for out in accumulate(acc, engine.step()):
-            if out.finished:
-                done[ids[out.request_id]] = out
-        step += 1
-        if step > 2000:
-            raise RuntimeError("workload did not finish")
-    return done, handles
-
-
-def _settle_in(engine, layout: str) -> None:
-    """Finish or abort what an earlier test left running, then switch to `layout`."""
-    for rid in list(engine._requests):
-        engine.abort(rid)
-    while engine.has_work():
-        engine.step()
-    if engine.layout.name != layout:
-        h = engine.switch_layout(layout)
-        while not h.done:
-            engine.step()
+    """This module's staggered workload (switch_workload.run_with_switches)."""
+    return run_with_switches(engine, prompts, max_tokens, arrivals, switches, rng)
 
 
 def test_random_switch_schedules_keep_outputs_identical(engine, fixed_outputs):

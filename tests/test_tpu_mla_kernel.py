@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mla_decode_tpu import paged_mla_decode_tpu, split_pages
 from random_models import tiny_config
+from attention_checks import assert_attention_matches
 from splash_jax.attention import dispatch
 from splash_jax.attention.paged_reference import paged_mla_attention
 from splash_jax.mesh.layouts import LAYOUT_NAMES, get_layout, make_mesh
@@ -76,16 +77,6 @@ def _problem(rng, shapes, dtype):
     return (*kernel, jnp.asarray(table), jnp.asarray(lens)), ref
 
 
-def _assert_matches(got, want, seed, tol):
-    out, lse = (np.asarray(x, np.float32) for x in got)
-    ref_out, ref_lse = (np.asarray(x, np.float32) for x in want)
-    assert np.isfinite(out).all(), f"seed {seed}: non-finite output"
-    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol, err_msg=f"seed {seed}")
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse), err_msg=f"seed {seed}")
-    fin = np.isfinite(ref_lse)
-    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol, err_msg=f"seed {seed}")
-
-
 def test_layouts_hand_the_kernel_their_per_device_shapes():
     """The recorded calls are the per-device shapes DESIGN.md §2 gives each layout (so the next
     test covers them): tp H/N heads of every token, dp/dop every head of the owner rows, cp every
@@ -111,7 +102,7 @@ def test_interpret_matches_reference_on_each_layouts_shapes(name):
             got = paged_mla_decode_tpu(*args, CFG.softmax_scale, interpret=True, **kw)
             assert got[0].dtype == dtype and got[0].shape == shapes[0] and got[1].shape == shapes[0][:2]
             want = paged_mla_attention(*ref, CFG.softmax_scale)
-            _assert_matches(got, want, f"{seed} ({name}, {jnp.dtype(dtype).name}, {kw})", tol)
+            assert_attention_matches(got, want, f"{seed} ({name}, {jnp.dtype(dtype).name}, {kw})", tol)
             assert np.all(np.asarray(got[0], np.float32)[np.asarray(args[5]) == 0] == 0)
 
 
