@@ -149,7 +149,7 @@ class AotBuild:
         # Pool sizing, as Engine.__init__ does it on a chip with hbm_bytes and these weights.
         self.page_bytes = bytes_per_page(cfg, config.page_size, dtype)
         self.extra_pages = extra_pages_per_device(head_sharded_weight_bytes(model), self.n, self.page_bytes)
-        self.max_logits_rows = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + config.speculative_k))
+        self.max_logits_rows = config.max_logits_rows
         widths = SamplerWidths.of(SamplingLimits(config.max_stop_token_ids, config.max_logit_bias), _eos_count(config, cfg))
         ladder = (config.max_num_batched_tokens, self.max_logits_rows, config.min_token_bucket)
         probe = StepExecutor(model, self._pool(1, 0), self.mesh, self.layout, ladder, 1, config.attention_impl,

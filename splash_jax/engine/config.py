@@ -115,6 +115,12 @@ class EngineConfig:
         """Drafts per request per step (0 with speculation off)."""
         return 0 if self.speculative_method == "off" else self.speculative_tokens
 
+    @property
+    def max_logits_rows(self) -> int:
+        """Logits rows per step the programs are built with: a row per request, and with
+        speculation a row per draft too (set_speculative later fits its drafts into these)."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.speculative_k))
+
     def resolved_gc_freeze(self, backend: str) -> bool:
         if self.gc_freeze not in ("auto", "on", "off"):
             raise ValueError(f"--gc-freeze must be auto, on or off, got {self.gc_freeze!r}")

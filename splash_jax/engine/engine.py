@@ -142,9 +142,8 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_id is not None:
             self.eos_ids.add(tokenizer.eos_id)
         self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
-        # Logits rows per step: a request each, and with speculation a row per draft too.
         k = config.speculative_k
-        self.max_logits_rows = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k))
+        self.max_logits_rows = config.max_logits_rows  # fixed at start-up: set_speculative changes the config
         if k:
             log.info("speculative decoding: %s, %d drafts per request per step (steps run without overlap)",
                      config.speculative_method, k)
