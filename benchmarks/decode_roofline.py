@@ -90,6 +90,9 @@ def main(argv=None):
     parser.add_argument("--no-sync", action="store_true", help="measure overlapped scheduling only")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                         help="decoder layers under lax.scan (the engine's default) or unrolled")
+    parser.add_argument("--unroll-max-tokens", type=int, default=EngineConfig.unroll_max_tokens,
+                        help="buckets up to this many tokens get XLA's unrolled layer loop (EngineConfig)")
+    parser.add_argument("--compile-cache-dir", default="", help="persistent XLA cache ('': off, so compile times are cold)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -110,7 +113,8 @@ def main(argv=None):
         max_num_seqs=max(batches), max_num_batched_tokens=max(max(batches), 8), warmup=False,
         layout=args.layout, num_devices=args.devices,
         min_token_bucket=args.min_token_bucket, scan_layers=args.scan_layers, expert_weights=args.expert_weights,
-        graph_scheduling=args.graph_scheduling,
+        graph_scheduling=args.graph_scheduling, unroll_max_tokens=args.unroll_max_tokens,
+        compile_cache_dir=args.compile_cache_dir,
     ))
     cfg = engine.model_config
     rows = []
@@ -118,7 +122,8 @@ def main(argv=None):
         reqs = inject_decoding(engine, b, ctx, sampling=mode)
         t = time.perf_counter()
         engine.step()  # compiles this bucket the first time
-        log.info("batch %d ctx %d %s: first step %.1fs", b, ctx, mode, time.perf_counter() - t)
+        first_step_s = time.perf_counter() - t
+        log.info("batch %d ctx %d %s: first step %.1fs", b, ctx, mode, first_step_s)
         for overlap in (True,) if args.no_sync else (True, False):
             engine.set_overlap(overlap)
             for _ in range(3):
@@ -133,7 +138,7 @@ def main(argv=None):
             kv_bytes = b * (ctx + args.steps) * cfg.latent_dim * 2 * cfg.num_layers
             busy = prof.busy_ms
             row = {
-                "batch": b, "context": ctx, "sampling": mode, "overlap": overlap,
+                "batch": b, "context": ctx, "sampling": mode, "overlap": overlap, "first_step_s": first_step_s,
                 "engine_ms": engine_s * 1e3, "gpu_busy_ms": busy, "profiled_step_ms": prof.window_ms,
                 "x_busy": engine_s * 1e3 / busy if busy else None,
                 "host_share": 1 - busy / (engine_s * 1e3) if busy else None,
@@ -151,7 +156,7 @@ def main(argv=None):
         engine.set_overlap(True)
         clear(engine, reqs)
         engine.flush()
-    cols = ["batch", "context", "sampling", "overlap", "engine_ms", "gpu_busy_ms", "x_busy", "host_share", "kernels_per_step",
+    cols = ["batch", "context", "sampling", "overlap", "first_step_s", "engine_ms", "gpu_busy_ms", "x_busy", "host_share", "kernels_per_step",
             "tokens_per_s", "roofline_ms", "x_roofline"]
     print(table(rows, cols))
     write_results("decode_roofline", {

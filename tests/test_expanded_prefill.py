@@ -262,9 +262,9 @@ def test_expanded_programs_get_command_buffer_options_on_gpus_and_fall_back_if_r
             return ("compiled", compiler_options)
 
     ex = StepExecutor.__new__(StepExecutor)
-    ex.compiler_options = {False: {}, True: dict(EXPANDED_GPU_OPTIONS, other=1)}
+    ex.compiler_options = {(False, False): {}, (True, False): dict(EXPANDED_GPU_OPTIONS, other=1)}
     assert ex._compile(Lowered(), expanded=True) == ("compiled", {"other": 1})
-    assert ex.compiler_options[True] == {"other": 1}  # later compiles skip the refused option
+    assert ex.compiler_options[(True, False)] == {"other": 1}  # later compiles skip the refused option
 
 
 def test_gpu_steps_get_concurrent_graph_scheduling_unless_asked_for_xlas():
@@ -296,3 +296,22 @@ def test_an_expanded_program_that_does_not_build_leaves_its_bucket_absorbed(monk
     assert not any(key[-1] for key in engine.executor._compiled)
     assert not any(engine.executor.expands(engine.layout, b) for b in engine.executor.buckets(engine.layout))
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
+
+
+def test_small_scanned_gpu_steps_get_xlas_unrolled_layer_loop():
+    """Buckets of at most unroll_max_tokens slots compile with XLA's full loop unroll (one CUDA graph
+    per step); bigger ones, CPU and unscanned programs keep their options."""
+    from splash_jax.engine.executor import OPTIONAL_OPTIONS, UNROLLED_GPU_OPTIONS, Bucket, StepExecutor, step_compiler_options
+
+    unrolled = step_compiler_options("gpu", True, unrolled=True)
+    assert all(unrolled[k] == v for k, v in UNROLLED_GPU_OPTIONS.items())
+    assert not set(UNROLLED_GPU_OPTIONS) & set(step_compiler_options("gpu", True))
+    assert not set(UNROLLED_GPU_OPTIONS) & set(step_compiler_options("gpu", False, unrolled=True))  # nothing to unroll
+    assert step_compiler_options("cpu", True, unrolled=True) == {}
+    assert set(UNROLLED_GPU_OPTIONS) <= set(OPTIONAL_OPTIONS)  # an XLA without it still compiles
+
+    ex = StepExecutor.__new__(StepExecutor)
+    ex.unroll_max_tokens = 8
+    assert [ex.unrolled(Bucket(requests=r, tokens=t)) for r, t in ((1, 8), (8, 8), (8, 16))] == [True, True, False]
+    with pytest.raises(ValueError, match="unroll-max-tokens"):
+        EngineConfig(unroll_max_tokens=-1).validate()

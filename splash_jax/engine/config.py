@@ -99,6 +99,12 @@ class EngineConfig:
     # scanned step gets cuBLAS GEMMs with dynamic-slice fusion (executor.SCANNED_GPU_OPTIONS) and the
     # MoE kernel reads the expert stacks in place; docs/startup.md has the H200 numbers.
     scan_layers: bool = True
+    # Scanned GPU step programs of buckets with at most this many token slots get their layer loop
+    # unrolled by XLA at compile time: one CUDA graph per step instead of a launch and a graph
+    # update per layer, so the launch of a small step no longer decides its latency
+    # (executor.UNROLLED_GPU_OPTIONS, docs/kernels.md). Bigger steps keep the loop (their launch
+    # hides behind the device's work). 0: never.
+    unroll_max_tokens: int = 8
     # GPU steps run as CUDA graphs: concurrent (the graph keeps only data dependencies, so independent
     # kernels overlap: V2-Lite batch-1 decode on an H200, GPU busy 3.41 -> 2.94 ms per step) | xla
     # (XLA's default: one chain). executor.CONCURRENT_GRAPH_OPTIONS.
@@ -177,6 +183,8 @@ class EngineConfig:
             raise ValueError(f"--structured-json-whitespace must be compact or flexible, got {self.structured_json_whitespace!r}")
         if self.graph_scheduling not in ("concurrent", "xla"):
             raise ValueError(f"--graph-scheduling must be concurrent or xla, got {self.graph_scheduling!r}")
+        if self.unroll_max_tokens < 0:
+            raise ValueError(f"--unroll-max-tokens must be >= 0, got {self.unroll_max_tokens}")
         if self.layout_policy not in ("off", "auto"):
             raise ValueError(f"--layout-policy must be off or auto, got {self.layout_policy!r}")
         from splash_jax.engine.speculative import METHODS

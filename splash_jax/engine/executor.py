@@ -157,7 +157,15 @@ SCANNED_GPU_OPTIONS = {
 # Options a different XLA may not know or may spell differently: a compile that refuses one runs
 # without it (logged once), instead of failing the engine.
 OPTIONAL_OPTIONS = ("xla_gpu_enable_command_buffer", "xla_gpu_dot_merger_threshold_mb",
-                    "xla_gpu_command_buffer_scheduling_mode", "xla_gpu_graph_enable_concurrent_region")
+                    "xla_gpu_command_buffer_scheduling_mode", "xla_gpu_graph_enable_concurrent_region",
+                    "xla_gpu_enable_while_loop_unrolling")
+
+# Small scanned steps get their layer loop unrolled by XLA at compile time (after JAX traced one
+# layer, so tracing stays independent of depth). A scanned loop is launched from the host one
+# iteration at a time, and each iteration's CUDA graph is updated for the next layer's weight
+# slices: the launch of a V2-Lite 27-layer decode step cost the host 3.4-3.6 ms for 1.8 ms of GPU
+# work; unrolled by XLA, one graph, 0.66-0.72 ms (benchmarks/probes/launch_cost.py, one H200).
+UNROLLED_GPU_OPTIONS = {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"}
 
 # A step is captured in CUDA graphs (XLA command buffers). By default XLA records its kernels as one
 # chain; with these options the graph keeps only the data dependencies, so independent kernels run
@@ -184,11 +192,14 @@ EXPANDED_GPU_OPTIONS = {
 
 
 def step_compiler_options(backend: str, scan_layers: bool, expanded: bool = False,
-                          graph_scheduling: str = "concurrent") -> dict:
-    """XLA options for the step programs (per compile, so a notebook's other programs keep theirs)."""
+                          graph_scheduling: str = "concurrent", unrolled: bool = False) -> dict:
+    """XLA options for the step programs (per compile, so a notebook's other programs keep theirs).
+    unrolled: XLA unrolls the scanned layer loop (UNROLLED_GPU_OPTIONS)."""
     if graph_scheduling not in GRAPH_SCHEDULING:
         raise ValueError(f"--graph-scheduling must be one of {GRAPH_SCHEDULING}, got {graph_scheduling!r}")
     options = dict(SCANNED_GPU_OPTIONS) if backend == "gpu" and scan_layers else {}
+    if backend == "gpu" and scan_layers and unrolled:
+        options.update(UNROLLED_GPU_OPTIONS)
     if backend == "gpu" and expanded:
         options.update(EXPANDED_GPU_OPTIONS)
     if backend == "gpu" and graph_scheduling == "concurrent":
@@ -207,7 +218,7 @@ class StepExecutor:
     def __init__(
         self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
-        expanded_min_tokens: int = 0, graph_scheduling: str = "concurrent",
+        expanded_min_tokens: int = 0, graph_scheduling: str = "concurrent", unroll_max_tokens: int = 0,
     ):
         self.graphdef, state = nnx.split(model)
         leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -252,7 +263,10 @@ class StepExecutor:
         self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
         backend = mesh.devices.flat[0].platform
         scanned = getattr(model.options, "scan_layers", False)
-        self.compiler_options = {e: step_compiler_options(backend, scanned, e, graph_scheduling) for e in (False, True)}
+        # Buckets of at most this many tokens get XLA's unrolled layer loop (scanned GPU steps only).
+        self.unroll_max_tokens = unroll_max_tokens if backend == "gpu" and scanned else 0
+        self.compiler_options = {(e, u): step_compiler_options(backend, scanned, e, graph_scheduling, u)
+                                 for e in (False, True) for u in (False, True)}
 
     # --- the device state this class owns -----------------------------------------------------
     @property
@@ -444,9 +458,13 @@ class StepExecutor:
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
         return fn.lower(*args)
 
-    def _compile(self, lowered, expanded: bool = False):
+    def unrolled(self, bucket: Bucket) -> bool:
+        """Whether this bucket's step programs have their layer loop unrolled by XLA."""
+        return bucket.tokens <= self.unroll_max_tokens
+
+    def _compile(self, lowered, expanded: bool = False, unrolled: bool = False):
         while True:
-            options = self.compiler_options[expanded]
+            options = self.compiler_options[(expanded, unrolled)]
             try:
                 return lowered.compile(compiler_options=options or None)
             except Exception as e:  # an XLA that does not take an optional option: compile without it
@@ -454,7 +472,7 @@ class StepExecutor:
                 if not refused:
                     raise
                 log.warning("XLA refused %s (%s); compiling without", refused, str(e).splitlines()[0][:200])
-                self.compiler_options[expanded] = {k: v for k, v in options.items() if k not in refused}
+                self.compiler_options[(expanded, unrolled)] = {k: v for k, v in options.items() if k not in refused}
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""
@@ -497,7 +515,7 @@ class StepExecutor:
         ) as bar:
             if workers == 1:  # lower and compile one program at a time
                 for key in todo:
-                    program = self._build(key, lambda key=key: self._compile(self.lower(*key), key[-1]))
+                    program = self._build(key, lambda key=key: self._compile(self.lower(*key), key[-1], self.unrolled(key[1])))
                     if program is not None:
                         self._compiled[(key[0].name, *key[1:])] = program
                     bar.update()
@@ -514,7 +532,7 @@ class StepExecutor:
                         if lowered is None:
                             bar.update()
                         else:
-                            futures[pool.submit(self._compile, lowered, key[-1])] = key
+                            futures[pool.submit(self._compile, lowered, key[-1], self.unrolled(key[1]))] = key
                 finally:
                     threading.stack_size(previous)
                 with pool:
@@ -541,7 +559,8 @@ class StepExecutor:
         program = self._compiled.get(key)
         if program is None:  # only without warm-up; compiles once per bucket
             try:
-                program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded), expanded)
+                program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded), expanded,
+                                                                    self.unrolled(bucket))
             except Exception as e:
                 if expanded:  # this step fails (the engine recovers); later ones pack absorbed
                     self._refuse_expanded(layout.name, bucket, e)
