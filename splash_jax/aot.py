@@ -180,6 +180,7 @@ class AotBuild:
             config.attention_impl, widths, config.max_num_seqs, extra_pages_total=self.n * self.extra_pages,
             move_pages=self.switch_chunk_pages if switching else 0,
             expanded_min_tokens=config.resolved_expanded_min_tokens(self.platform), graph_scheduling=config.graph_scheduling,
+            step_input_memory=config.resolved_step_input_memory(self.platform),
         )
         self.layouts = [get_layout(name) for name in LAYOUT_NAMES] if config.enable_switching else [self.layout]
         self.handoff_chunk_pages = handoff_chunk_pages(self.switch_chunk_pages, config.max_num_seqs, self.n, self.page_bytes)

@@ -21,6 +21,7 @@ import numpy as np
 
 from splash_jax.distributed.wire import Command
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode
+from splash_jax.engine.step_packer import step_buffer
 from splash_jax.switch.migration import drop_extra_segment
 
 
@@ -44,7 +45,7 @@ def global_step_inputs(ex, rep, dev, move):
     def put(x, sharding):
         return None if x is None else jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
-    return put(rep, ex.replicated), put(dev, ex.per_device), put(move, ex.per_device)
+    return put(step_buffer(rep, dev), ex.input_sharding), None, put(move, ex.per_device)
 
 
 def spec_to_json(spec) -> list:

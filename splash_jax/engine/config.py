@@ -105,6 +105,12 @@ class EngineConfig:
     # (executor.UNROLLED_GPU_OPTIONS, docs/kernels.md). Bigger steps keep the loop (their launch
     # hides behind the device's work). 0: never.
     unroll_max_tokens: int = 8
+    # Where a step's packed inputs (one buffer per step, step_packer.step_buffer) are put:
+    # pinned_host (the step program moves them to the device itself) | device | auto (pinned_host
+    # on GPUs). A host-to-device transfer of a fresh buffer made the next launch wait for the step
+    # in flight: batch-1 decode on an H200 left the GPU idle 0.8 ms per step, none from pinned
+    # memory (executor.StepExecutor.step_input, benchmarks/probes/launch_cost.py).
+    step_input_memory: str = "auto"
     # GPU steps run as CUDA graphs: concurrent (the graph keeps only data dependencies, so independent
     # kernels overlap: V2-Lite batch-1 decode on an H200, GPU busy 3.41 -> 2.94 ms per step) | xla
     # (XLA's default: one chain). executor.CONCURRENT_GRAPH_OPTIONS.
@@ -154,6 +160,12 @@ class EngineConfig:
             return self.warmup and backend != "cpu"
         return self.warmup_runs == "on"
 
+    def resolved_step_input_memory(self, platform: str) -> str:
+        """auto: pinned host memory on GPUs (see step_input_memory), device memory elsewhere."""
+        if self.step_input_memory == "auto":
+            return "pinned_host" if platform == "gpu" else "device"
+        return self.step_input_memory
+
     def resolved_expanded_min_tokens(self, backend: str) -> int:
         """N of attention/expanded.worth_expanding (which chunks run in the expanded form); 0: never."""
         if self.prefill_attention not in ("auto", "expanded", "absorbed"):
@@ -183,6 +195,8 @@ class EngineConfig:
             raise ValueError(f"--structured-json-whitespace must be compact or flexible, got {self.structured_json_whitespace!r}")
         if self.graph_scheduling not in ("concurrent", "xla"):
             raise ValueError(f"--graph-scheduling must be concurrent or xla, got {self.graph_scheduling!r}")
+        if self.step_input_memory not in ("auto", "pinned_host", "device"):
+            raise ValueError(f"--step-input-memory must be auto, pinned_host or device, got {self.step_input_memory!r}")
         if self.unroll_max_tokens < 0:
             raise ValueError(f"--unroll-max-tokens must be >= 0, got {self.unroll_max_tokens}")
         if self.layout_policy not in ("off", "auto"):

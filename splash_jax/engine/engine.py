@@ -176,6 +176,7 @@ class Engine:
             move_pages=self.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
             expanded_min_tokens=config.resolved_expanded_min_tokens(backend),
             graph_scheduling=config.graph_scheduling, unroll_max_tokens=config.unroll_max_tokens,
+            step_input_memory=config.resolved_step_input_memory(backend),
         )
         self.mtp = None  # MTP draft programs (engine/mtp_draft.py): one per step program, run right after it
         if mtp:

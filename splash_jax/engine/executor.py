@@ -40,7 +40,7 @@ from splash_jax.attention.layouts import ShardedContext
 from splash_jax.compile_stats import CompileStats
 from splash_jax.engine.penalties import PenaltyState, update_history
 from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, SamplingInputs, sample
-from splash_jax.engine.step_packer import StepShape, unpack_step
+from splash_jax.engine.step_packer import StepShape, split_step_buffer, step_buffer, unpack_step
 from splash_jax.kv.cache import KVCache, StepInput
 from splash_jax.structured.masks import mask_words
 from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
@@ -219,6 +219,7 @@ class StepExecutor:
         self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
         expanded_min_tokens: int = 0, graph_scheduling: str = "concurrent", unroll_max_tokens: int = 0,
+        step_input_memory: str = "device",
     ):
         self.graphdef, state = nnx.split(model)
         leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -242,6 +243,11 @@ class StepExecutor:
         self._refused_expanded: set[tuple[str, Bucket]] = set()  # (layout, bucket) whose expanded program failed to build
         self.replicated = NamedSharding(mesh, P())
         self.per_device = NamedSharding(mesh, P(AXIS))
+        # The step's one packed input (step_input): in pinned host memory the program moves it to
+        # the device itself (EngineConfig.step_input_memory says why).
+        if step_input_memory not in ("pinned_host", "device"):
+            raise ValueError(f"step_input_memory must be pinned_host or device, got {step_input_memory!r}")
+        self.input_sharding = self.per_device.with_memory_kind("pinned_host") if step_input_memory == "pinned_host" else self.per_device
         self.pool_sharding = NamedSharding(mesh, POOL_SPEC)
         vocab = model.cfg.vocab_size
         # An abstract pool (ShapeDtypeStructs: splash_jax/aot.py, a TPU topology with no devices)
@@ -359,10 +365,10 @@ class StepExecutor:
         graphdef, treedef, max_rows = self.graphdef, self.treedef, self.max_rows
         hidden_out = self.mtp_hidden
 
-        def per_device(params, kv, penalties, prev_tokens, rep, dev, *move):
+        def per_device(params, kv, penalties, prev_tokens, buf, *move):
             if moving:
                 outgoing, kv = move_pages_start(kv, move[0][0])
-            batch, sampling, token_slot, prompt_len = unpack_step(shape, rep, dev[0], prev_tokens)
+            batch, sampling, token_slot, prompt_len = unpack_step(shape, *split_step_buffer(shape, buf[0]), prev_tokens)
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
             if hidden_out:
                 logits, hidden, kv = model(kv, batch, ctx=ctx, return_hidden="all")
@@ -383,12 +389,34 @@ class StepExecutor:
         param_specs_ = tuple(layout.param_spec(p) for p in self.paths)
         kv_specs = jax.tree.map(lambda _: POOL_SPEC, self.kv_abstract(layout))
         pen_specs = jax.tree.map(lambda _: P(), self.penalties)
-        in_specs = (param_specs_, kv_specs, pen_specs, P(), P(), P(AXIS)) + ((P(AXIS),) if moving else ())
+        in_specs = (param_specs_, kv_specs, pen_specs, P(), P(AXIS)) + ((P(AXIS),) if moving else ())
         mapped = jax.shard_map(
             per_device, mesh=self.mesh, in_specs=in_specs,
             out_specs=(P(), kv_specs, pen_specs) + ((P(),) if hidden_out else ()), check_vma=False,
         )
-        return jax.jit(mapped, donate_argnums=(1, 2)), shape
+        to_device = self.device_step_buffer
+
+        def program(params, kv, penalties, prev_tokens, buf, *move):
+            return mapped(params, kv, penalties, prev_tokens, to_device(buf), *move)
+
+        return jax.jit(program, donate_argnums=(1, 2)), shape
+
+    def step_input_abstract(self, shape: StepShape) -> jax.ShapeDtypeStruct:
+        """The step program's packed input: [N, R + D] int32 (step_packer.step_buffer)."""
+        size = shape.replicated_spec().size + shape.device_spec().size
+        return jax.ShapeDtypeStruct((self.n, size), jnp.int32, sharding=self.input_sharding)
+
+    def device_step_buffer(self, buf: jax.Array) -> jax.Array:
+        """Inside a program (outside its shard_map): the packed input in device memory."""
+        return jax.device_put(buf, self.per_device) if self.input_sharding.memory_kind == "pinned_host" else buf
+
+    def step_input(self, rep: np.ndarray, dev: np.ndarray | None) -> jax.Array:
+        """A step's packed buffers as its program's input, put where input_sharding says. A
+        jax.Array is taken as that input already (a multi-process global array,
+        distributed/leader.global_step_inputs; dev is None then)."""
+        if isinstance(rep, jax.Array):
+            return rep
+        return jax.device_put(step_buffer(rep, dev), self.input_sharding)
 
     def _sampler_program(self, rows: int, mode: SamplerMode):
         """Penalties, the grammar masks, the draw and what `mode` asks for, on a full step's
@@ -449,11 +477,9 @@ class StepExecutor:
 
     def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False):
         fn, shape = self._program(layout, bucket, moving, full, expanded)
-        rep = jax.ShapeDtypeStruct((shape.replicated_spec().size,), jnp.int32, sharding=self.replicated)
-        dev = jax.ShapeDtypeStruct((self.n, shape.device_spec().size), jnp.int32, sharding=self.per_device)
         prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
         pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
-        args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev, rep, dev]
+        args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev, self.step_input_abstract(shape)]
         if moving:
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
         return fn.lower(*args)
@@ -590,7 +616,7 @@ class StepExecutor:
         if defer and not full:
             raise ValueError("only a full step defers its sampling")
         program = self.compiled(self.layout, bucket, move is not None, full, expanded)
-        inputs = [jax.device_put(rep, self.replicated), jax.device_put(dev, self.per_device)]
+        inputs = [self.step_input(rep, dev)]
         if move is not None:
             inputs.append(jax.device_put(move, self.per_device))
         out, self.kv, self.penalties, *hidden = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)

@@ -57,7 +57,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from splash_jax.attention.layouts import ShardedContext
-from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, unpack_step
+from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, split_step_buffer, unpack_step
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
 
@@ -202,8 +202,8 @@ class MtpDraftRunner:
         graphdef, treedef = ex.graphdef, ex.treedef
         rows, cq, owner_rows = shape.rows, shape.requests, shape.owner_rows
 
-        def per_device(params, kv, hidden, tokens, rep, dev, mrep, mdev):
-            batch, sampling, _, _ = unpack_step(shape, rep, dev[0], tokens)  # without overlap no token is device-fed
+        def per_device(params, kv, hidden, tokens, buf, mrep, mdev):
+            batch, sampling, _, _ = unpack_step(shape, *split_step_buffer(shape, buf[0]), tokens)  # without overlap no token is device-fed
             m = mshape.replicated_spec().unpack(mrep)
             d = mshape.device_spec().unpack(mdev[0])
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
@@ -247,9 +247,14 @@ class MtpDraftRunner:
 
         param_specs_ = tuple(layout.param_spec(p) for p in ex.paths)
         kv_specs = jax.tree.map(lambda _: POOL_SPEC, ex.kv_abstract(layout))
-        in_specs = (param_specs_, kv_specs, P(), P(), P(), P(AXIS), P(), P(AXIS))
+        in_specs = (param_specs_, kv_specs, P(), P(), P(AXIS), P(), P(AXIS))
         mapped = jax.shard_map(per_device, mesh=ex.mesh, in_specs=in_specs, out_specs=(P(), kv_specs), check_vma=False)
-        return jax.jit(mapped, donate_argnums=(1,)), shape, mshape
+        to_device = ex.device_step_buffer  # the step's own packed input, where the step program read it
+
+        def program(params, kv, hidden, tokens, buf, mrep, mdev):
+            return mapped(params, kv, hidden, tokens, to_device(buf), mrep, mdev)
+
+        return jax.jit(program, donate_argnums=(1,)), shape, mshape
 
     def lower(self, layout: Layout, bucket, expanded: bool = False):
         ex = self.ex
@@ -260,8 +265,7 @@ class MtpDraftRunner:
             ex.param_abstract(layout), ex.kv_abstract(layout),
             jax.ShapeDtypeStruct((shape.total_tokens, hidden_size), self.hidden_dtype, sharding=rep_sharding),
             jax.ShapeDtypeStruct((ex.max_rows,), jnp.int32, sharding=rep_sharding),
-            jax.ShapeDtypeStruct((shape.replicated_spec().size,), jnp.int32, sharding=rep_sharding),
-            jax.ShapeDtypeStruct((ex.n, shape.device_spec().size), jnp.int32, sharding=dev_sharding),
+            ex.step_input_abstract(shape),
             jax.ShapeDtypeStruct((mshape.replicated_spec().size,), jnp.int32, sharding=rep_sharding),
             jax.ShapeDtypeStruct((ex.n, mshape.device_spec().size), jnp.int32, sharding=dev_sharding),
         )
@@ -310,7 +314,7 @@ class MtpDraftRunner:
         ex = self.ex
         mshape = MtpShape(ex.shape(ex.layout, bucket, expanded), self.k)
         mrep, mdev, chain_rows = pack_mtp(mshape, chunks, packed, tables, self.page_size)
-        self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, list(ex.step_inputs[:2]), mrep, mdev,
+        self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, list(ex.step_inputs[:1]), mrep, mdev,
                              chunks, chain_rows, keep)
 
     def fire(self, tokens: jax.Array) -> None:

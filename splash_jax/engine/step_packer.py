@@ -107,6 +107,19 @@ class StepShape:
         ) + ((Field("prefill_span", (2,), np.int32),) if self.expanded else ()))
 
 
+def step_buffer(rep: np.ndarray, dev: np.ndarray) -> np.ndarray:
+    """A step's packed buffers as the one [N, R + D] int32 buffer the step program takes: row i is
+    the replicated part followed by device i's. One transfer per step instead of two (each costs
+    the host ~0.2 ms on a GPU), and one buffer to place in pinned host memory (executor.step_input)."""
+    return np.concatenate([np.broadcast_to(rep, (dev.shape[0], rep.shape[0])), dev], axis=1)
+
+
+def split_step_buffer(shape: StepShape, row: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inside the step program (per device): this device's [R + D] row -> (rep, dev) as packed."""
+    r = shape.replicated_spec().size
+    return row[:r], row[r:]
+
+
 def unpack_step(shape: StepShape, rep: jax.Array, dev: jax.Array, prev_tokens: jax.Array):
     """Inside the step program (per device): -> (StepInput, SamplingInputs, token_slot, prompt_len)."""
     r = shape.replicated_spec().unpack(rep)
