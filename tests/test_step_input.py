@@ -26,7 +26,7 @@ def test_the_step_buffer_holds_the_replicated_part_and_each_devices_own():
         np.testing.assert_array_equal(r, rep)
         np.testing.assert_array_equal(d, dev[i])
     packed = pack_step(shape, [], engine.scheduler.tables, engine.slot_sampling, engine.config.page_size)
-    assert ex.step_input(packed.rep, packed.dev).sharding == ex.input_sharding
+    assert ex.step_input(packed.rep, packed.dev).sharding == ex.input_sharding()
 
 
 @pytest.mark.parametrize("layout", ["tp", "dp"])
@@ -36,7 +36,9 @@ def test_steps_from_pinned_host_memory_generate_what_steps_from_device_memory_do
     outs = {}
     for memory in ("device", "pinned_host"):
         engine = Engine(EngineConfig(layout=layout, num_devices=2, step_input_memory=memory, **KW))
-        assert engine.executor.input_sharding.memory_kind == (memory if memory == "pinned_host" else "device")
+        ex = engine.executor
+        assert ex.input_sharding().memory_kind == (memory if memory == "pinned_host" else "device")
+        assert ex.input_sharding(full=True).memory_kind == "device"
         outs[memory] = [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, params)]
     assert outs["pinned_host"] == outs["device"]
 

@@ -5,20 +5,25 @@ XLA records a step's kernels in CUDA graphs (command buffers); a graph whose buf
 updated before it runs, and a loop whose step needs a value from the device (a dynamic offset
 read back, an unknown trip count) makes the host wait for the device mid-launch. Each case calls
 the same compiled greedy step program on an all-padding step and times the call itself:
-  fresh     host buffers put on the device per call (what executor.run does), prev_tokens fed
-            from the last call's output (the engine's chain)
-  reused    the same device buffers every call for the packed step and prev_tokens
-  tokens    the same packed buffers, prev_tokens chained
-  fresh-fixed fresh packed buffers, the same prev_tokens buffer every call
-First each case waits for the device after every call (the launch on an idle device); then each
-runs `--calls` times back to back, nothing waited for (queued-*): if the launch takes as long as
-the device's work the host waits for the device inside the launch; the wall time per call
-against GPU busy says whether the device waited for the host.
-Then `--trace-calls` queued calls of each case run under the profiler; host-side events (driver
-API calls, XLA thunks) are summed by name per call, with the time each spent while the GPU was idle.
+  pinned    the packed step put in pinned host memory per call, the program moves it to the
+            device (executor.step_input, the GPU default); prev_tokens fed from the last call's
+            output (the engine's chain)
+  device    the packed step put in device memory per call (--step-input-memory device)
+  reused    the same device buffer every call for the packed step and prev_tokens
+  tokens    the same packed buffer, prev_tokens chained
+  sampled   as pinned, with the full step program (random draws, logprobs, penalties) and then
+            the sampler program: the two launches of a step with sampling parameters
+  sampled-device  as sampled, the packed step in device memory
+First each case waits for the device after every call (the launch on an idle device); then
+`--rounds` rounds run each case `--calls` times back to back, nothing waited for (queued-*): if
+the launch takes as long as the device's work the host waits for the device inside the launch;
+the wall time per call against GPU busy says whether the device waited for the host. Then
+`--trace-calls` queued calls of each `--trace-cases` run under the profiler; host-side events
+(driver API calls, XLA thunks) are summed by name per call, with the time each spent while the
+GPU was idle. docs/kernels.md has the findings.
 
   PYTHONPATH=. python benchmarks/probes/launch_cost.py [--shape v2-lite] [--calls 200]
-      [--no-scan-layers] [--xla-option xla_gpu_enable_dynamic_slice_fusion=false ...]
+      [--no-scan-layers] [--unroll-max-tokens 8] [--xla-option xla_gpu_enable_dynamic_slice_fusion=false ...]
 """
 import argparse
 import collections
@@ -34,7 +39,8 @@ import numpy as np
 from benchmarks.common import table, write_results
 from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, EngineConfig
-from splash_jax.engine.step_packer import pack_step
+from splash_jax.engine.sampler import FULL_MODE
+from splash_jax.engine.step_packer import pack_step, step_buffer
 
 log = logging.getLogger("probe.launch_cost")
 
@@ -50,7 +56,7 @@ def parse_option(text: str):
         return key, value
 
 
-QUEUED = ("reused", "tokens", "fresh-fixed", "fresh")  # queued cases: which inputs are fresh per call
+CASES = ("pinned", "device", "reused", "tokens", "sampled", "sampled-device")  # which inputs are fresh per call (see the docstring)
 # Host events that only wrap the launch (each contains the next): left out of the breakdown.
 WRAPPERS = ("PjitFunction", "LoadedExecutable", "ExecuteHelper", "RawLoadedExecutable", "GpuExecutable::ExecuteThunks",
             "XLA GPU module")
@@ -109,64 +115,94 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--trace-calls", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the queued cases (medians reported)")
+    ap.add_argument("--trace-cases", default="pinned,sampled,sampled-device", help="queued cases traced under the profiler")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--unroll-max-tokens", type=int, default=EngineConfig.unroll_max_tokens)
     ap.add_argument("--xla-option", action="append", default=[], help="KEY=VALUE added to the step program's compile options")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     folder = shape_folder(args.shape, **({"num_hidden_layers": args.num_layers} if args.num_layers else {}))
     engine = Engine(EngineConfig(model=str(folder), load_format="dummy", page_size=64, kv_memory_gb=8,
                                  max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=8, warmup=False,
-                                 scan_layers=args.scan_layers, unroll_max_tokens=0, compile_cache_dir=""))
+                                 scan_layers=args.scan_layers, unroll_max_tokens=args.unroll_max_tokens,
+                                 step_input_memory="device", compile_cache_dir=""))
     ex = engine.executor
+    bucket = ex.buckets(engine.layout)[0]
+    key = (False, ex.unrolled(bucket))
     for opt in args.xla_option:
         k, v = parse_option(opt)
-        ex.compiler_options[(False, False)][k] = v
-    bucket = ex.buckets(engine.layout)[0]
+        ex.compiler_options[key][k] = v
     packed = pack_step(ex.shape(engine.layout, bucket), [], engine.scheduler.tables, engine.slot_sampling,
                        engine.config.page_size)
-    t = time.perf_counter()
-    program = ex.compiled(engine.layout, bucket)
-    compile_s = time.perf_counter() - t
-    log.info("compiled in %.1fs with options %s", compile_s, ex.compiler_options[(False, False)])
-    twin = ex._compile(ex.lower(engine.layout, bucket), False)  # a second copy: its own command buffers
-    rep_d, dev_d = jax.device_put(packed.rep, ex.replicated), jax.device_put(packed.dev, ex.per_device)
+    buffer = step_buffer(packed.rep, packed.dev)
+    programs, shardings, compile_s = {}, {}, {}
+    for memory in ("device", "pinned_host"):  # the step program for each place of its input
+        shardings[memory] = ex.per_device.with_memory_kind(memory)
+        ex.input_sharding = lambda full=False, s=shardings[memory]: s  # the probe picks, full or not
+        t = time.perf_counter()
+        programs[memory] = ex._compile(ex.lower(engine.layout, bucket), False, ex.unrolled(bucket))
+        compile_s[memory] = time.perf_counter() - t
+        log.info("compiled the %s-input program in %.1fs with options %s", memory, compile_s[memory], ex.compiler_options[key])
+    full_programs = {}
+    for memory in ("device", "pinned_host"):  # the full step program (then the sampler program)
+        ex.input_sharding = lambda full=False, s=shardings[memory]: s
+        t = time.perf_counter()
+        full_programs[memory] = ex._compile(ex.lower(engine.layout, bucket, full=True), False, ex.unrolled(bucket))
+        compile_s[f"full-{memory}"] = time.perf_counter() - t
+    logit_rows = ex.shape(engine.layout, bucket).rows
+    ex.sampler_program(logit_rows, FULL_MODE)
+    reused = jax.device_put(buffer, shardings["device"])
     prev_fixed = ex.prev_tokens
+    times = collections.defaultdict(list)  # case -> [(put s, launch s)]
 
     def call(case, wait=True):
-        """case: fresh | reused | tokens (see the docstring); `fresh-fixed`: fresh packed buffers,
-        the same prev_tokens buffer every call."""
-        fresh_inputs = case in ("fresh", "fresh-fixed")
-        rep = jax.device_put(packed.rep, ex.replicated) if fresh_inputs else rep_d
-        dev = jax.device_put(packed.dev, ex.per_device) if fresh_inputs else dev_d
-        prev = prev_fixed if case in ("reused", "fresh-fixed") else ex.prev_tokens
+        """One call of the step program with this case's inputs; returns the launch time."""
         t = time.perf_counter()
-        out, ex.kv, ex.penalties = program(tuple(ex.params), ex.kv, ex.penalties, prev, rep, dev)
-        launch = time.perf_counter() - t
+        memory = "device" if case in ("device", "reused", "tokens", "sampled-device") else "pinned_host"
+        buf = reused if case in ("reused", "tokens") else jax.device_put(buffer, shardings[memory])
+        prev = prev_fixed if case == "reused" else ex.prev_tokens
+        t1 = time.perf_counter()
+        if case.startswith("sampled"):
+            logits, ex.kv, ex.penalties = full_programs[memory](tuple(ex.params), ex.kv, ex.penalties, prev, buf)
+            out = ex.sample(logits)
+        else:
+            out, ex.kv, ex.penalties = programs[memory](tuple(ex.params), ex.kv, ex.penalties, prev, buf)
+        launch = time.perf_counter() - t1
+        times[case].append((t1 - t, launch))
         ex.prev_tokens = out.tokens
         if wait:
             jax.block_until_ready(out.tokens)
         return launch
 
     rows = []
-    for case in ("fresh", "reused", "tokens", "fresh-fixed"):
+    for case in CASES:
         for _ in range(10):
             call(case)
         t = [call(case) for _ in range(args.calls)]
         rows.append({"case": case, "launch_ms_p50": float(np.median(t)) * 1e3, "launch_ms_p90": float(np.percentile(t, 90)) * 1e3})
         log.info("%s", rows[-1])
-    for case in QUEUED:
-        jax.block_until_ready(ex.kv)
-        t0 = time.perf_counter()
-        t = [call(case, wait=False) for _ in range(args.calls)]
-        host = time.perf_counter() - t0
-        jax.block_until_ready((ex.kv, ex.prev_tokens))
-        wall = time.perf_counter() - t0
-        rows.append({"case": f"queued-{case}", "launch_ms_p50": float(np.median(t)) * 1e3,
-                     "launch_ms_p90": float(np.percentile(t, 90)) * 1e3,
-                     "host_loop_ms_per_call": host / args.calls * 1e3, "wall_ms_per_call": wall / args.calls * 1e3})
+    walls = collections.defaultdict(list)  # case -> (wall, host loop) ms per call, one per round
+    for _ in range(args.rounds):  # rounds interleave the cases, so a drift of the machine hits all
+        for case in CASES:
+            jax.block_until_ready((ex.kv, ex.prev_tokens))
+            times[case] = []
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                call(case, wait=False)
+            host = time.perf_counter() - t0
+            jax.block_until_ready((ex.kv, ex.prev_tokens))
+            walls[case].append(((time.perf_counter() - t0) / args.calls * 1e3, host / args.calls * 1e3))
+    for case in CASES:
+        puts, t = [p for p, _ in times[case]], [l for _, l in times[case]]  # the last round's calls
+        rows.append({"case": f"queued-{case}", "put_ms_p50": float(np.median(puts)) * 1e3,
+                     "launch_ms_p50": float(np.median(t)) * 1e3, "launch_ms_p90": float(np.percentile(t, 90)) * 1e3,
+                     "host_loop_ms_per_call": float(np.median([h for _, h in walls[case]])),
+                     "wall_ms_per_call": float(np.median([w for w, _ in walls[case]])),
+                     "wall_ms_rounds": [round(w, 3) for w, _ in walls[case]]})
         log.info("%s", rows[-1])
     traced = {}
-    for case in QUEUED:
+    for case in [c for c in args.trace_cases.split(",") if c]:
         folder_ = tempfile.mkdtemp(prefix="launch-prof-")
         try:
             jax.block_until_ready((ex.kv, ex.prev_tokens))
@@ -177,13 +213,18 @@ def main(argv=None):
             traced[case] = host_events(folder_, args.trace_calls, args.top)
         finally:
             shutil.rmtree(folder_, ignore_errors=True)
-    print(f"compile {compile_s:.1f} s, options {ex.compiler_options[(False, False)]}")
-    print(table(rows, ["case", "launch_ms_p50", "launch_ms_p90", "host_loop_ms_per_call", "wall_ms_per_call", "gpu_busy_ms_per_call"]))
+    for case, (_, busy_) in traced.items():
+        for row in rows:
+            if row["case"] == f"queued-{case}":
+                row["gpu_busy_ms_per_call"] = busy_
+    print(f"compile {compile_s}, options {ex.compiler_options[key]}")
+    print(table(rows, ["case", "put_ms_p50", "launch_ms_p50", "launch_ms_p90", "host_loop_ms_per_call",
+                       "wall_ms_per_call", "gpu_busy_ms_per_call", "wall_ms_rounds"]))
     for case, (ev, busy_) in traced.items():
         print(f"traced queued-{case}: GPU busy {busy_:.3f} ms per call" if busy_ else f"traced queued-{case}")
         print(table(ev, ["event", "ms_per_call", "count_per_call", "ms_in_gpu_gaps"]))
-    write_results("launch_cost", {"args": vars(args), "compile_s": compile_s, "compiler_options": ex.compiler_options[(False, False)], "rows": rows,
-                                  "host_events": {case: ev for case, (ev, _) in traced.items()}})
+    write_results("launch_cost", {"args": vars(args), "compile_s": compile_s, "compiler_options": ex.compiler_options[key],
+                                  "rows": rows, "host_events": {case: ev for case, (ev, _) in traced.items()}})
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ class Follower:
         self.lag_s.append(time.time() - cmd.fields["t"])
         a = cmd.arrays
         try:
-            inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"])
+            inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"], cmd.fields["full"])
             out = self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"], cmd.fields.get("expanded", False),
                               SamplerMode(**cmd.fields.get("mode", {})), cmd.fields.get("defer", False))
             self.deferred = out if cmd.fields.get("defer", False) else None

@@ -34,7 +34,7 @@ def global_mask(ex, mask):
     return None if mask is None else jax.make_array_from_callback(mask.shape, ex.replicated, lambda i: mask[i])
 
 
-def global_step_inputs(ex, rep, dev, move):
+def global_step_inputs(ex, rep, dev, move, full=False):
     """A step's host buffers as global arrays, each process filling its own shards from its copy.
 
     jax.device_put of a numpy array onto a multi-process sharding first checks that every process
@@ -45,7 +45,7 @@ def global_step_inputs(ex, rep, dev, move):
     def put(x, sharding):
         return None if x is None else jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
-    return put(step_buffer(rep, dev), ex.input_sharding), None, put(move, ex.per_device)
+    return put(step_buffer(rep, dev), ex.input_sharding(full)), None, put(move, ex.per_device)
 
 
 def spec_to_json(spec) -> list:
@@ -96,7 +96,7 @@ class LeaderExecutor:
                      "mode": dataclasses.asdict(mode), "defer": bool(defer), "t": time.time()},
             {"rep": rep, "dev": dev, "move": move},
         ))
-        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move), full, expanded, mode, defer)
+        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move, full), full, expanded, mode, defer)
 
     def sample(self, step, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None):
         self._channel.send(Command("sample", {"mode": dataclasses.asdict(mode)}, {"mask": mask}))

@@ -109,7 +109,8 @@ class EngineConfig:
     # pinned_host (the step program moves them to the device itself) | device | auto (pinned_host
     # on GPUs). A host-to-device transfer of a fresh buffer made the next launch wait for the step
     # in flight: batch-1 decode on an H200 left the GPU idle 0.8 ms per step, none from pinned
-    # memory (executor.StepExecutor.step_input, benchmarks/probes/launch_cost.py).
+    # memory (executor.StepExecutor.step_input, benchmarks/probes/launch_cost.py). Steps sampled by
+    # a sampler program (random draws, logprobs, penalties) keep device memory (input_sharding).
     step_input_memory: str = "auto"
     # GPU steps run as CUDA graphs: concurrent (the graph keeps only data dependencies, so independent
     # kernels overlap: V2-Lite batch-1 decode on an H200, GPU busy 3.41 -> 2.94 ms per step) | xla

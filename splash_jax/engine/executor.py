@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -244,10 +245,10 @@ class StepExecutor:
         self.replicated = NamedSharding(mesh, P())
         self.per_device = NamedSharding(mesh, P(AXIS))
         # The step's one packed input (step_input): in pinned host memory the program moves it to
-        # the device itself (EngineConfig.step_input_memory says why).
+        # the device itself (EngineConfig.step_input_memory says why; input_sharding where).
         if step_input_memory not in ("pinned_host", "device"):
             raise ValueError(f"step_input_memory must be pinned_host or device, got {step_input_memory!r}")
-        self.input_sharding = self.per_device.with_memory_kind("pinned_host") if step_input_memory == "pinned_host" else self.per_device
+        self.pinned_input = step_input_memory == "pinned_host"
         self.pool_sharding = NamedSharding(mesh, POOL_SPEC)
         vocab = model.cfg.vocab_size
         # An abstract pool (ShapeDtypeStructs: splash_jax/aot.py, a TPU topology with no devices)
@@ -394,29 +395,42 @@ class StepExecutor:
             per_device, mesh=self.mesh, in_specs=in_specs,
             out_specs=(P(), kv_specs, pen_specs) + ((P(),) if hidden_out else ()), check_vma=False,
         )
-        to_device = self.device_step_buffer
+        to_device = functools.partial(self.device_step_buffer, full=full)
 
         def program(params, kv, penalties, prev_tokens, buf, *move):
             return mapped(params, kv, penalties, prev_tokens, to_device(buf), *move)
 
         return jax.jit(program, donate_argnums=(1, 2)), shape
 
-    def step_input_abstract(self, shape: StepShape) -> jax.ShapeDtypeStruct:
+    def input_sharding(self, full: bool = False) -> NamedSharding:
+        """Where a step program's packed input lives. Pinned host memory (when asked) for the
+        sampled-on-device steps only: a full step (then its sampler program) ran slower from it at
+        batch 1 on an H200 (6.5 vs 4.2 ms per step, docs/kernels.md), so it reads device memory."""
+        return self.per_device.with_memory_kind("pinned_host") if self.pinned_input and not full else self.per_device
+
+    def step_input_abstract(self, shape: StepShape, full: bool = False) -> jax.ShapeDtypeStruct:
         """The step program's packed input: [N, R + D] int32 (step_packer.step_buffer)."""
         size = shape.replicated_spec().size + shape.device_spec().size
-        return jax.ShapeDtypeStruct((self.n, size), jnp.int32, sharding=self.input_sharding)
+        return jax.ShapeDtypeStruct((self.n, size), jnp.int32, sharding=self.input_sharding(full))
 
-    def device_step_buffer(self, buf: jax.Array) -> jax.Array:
+    def device_step_buffer(self, buf: jax.Array, full: bool = False) -> jax.Array:
         """Inside a program (outside its shard_map): the packed input in device memory."""
-        return jax.device_put(buf, self.per_device) if self.input_sharding.memory_kind == "pinned_host" else buf
+        return jax.device_put(buf, self.per_device) if self.input_sharding(full).memory_kind == "pinned_host" else buf
 
-    def step_input(self, rep: np.ndarray, dev: np.ndarray | None) -> jax.Array:
+    def step_input(self, rep: np.ndarray, dev: np.ndarray | None, full: bool = False) -> jax.Array:
         """A step's packed buffers as its program's input, put where input_sharding says. A
         jax.Array is taken as that input already (a multi-process global array,
         distributed/leader.global_step_inputs; dev is None then)."""
         if isinstance(rep, jax.Array):
             return rep
-        return jax.device_put(step_buffer(rep, dev), self.input_sharding)
+        return jax.device_put(step_buffer(rep, dev), self.input_sharding(full))
+
+    def draft_step_input(self) -> jax.Array:
+        """The last step's packed input where a draft program (mtp_draft, one per bucket whether
+        the step was full or not) reads it: input_sharding(full=False)."""
+        buf = self.step_inputs[0]
+        target = self.input_sharding()
+        return buf if buf.sharding.memory_kind == target.memory_kind else jax.device_put(buf, target)
 
     def _sampler_program(self, rows: int, mode: SamplerMode):
         """Penalties, the grammar masks, the draw and what `mode` asks for, on a full step's
@@ -479,7 +493,7 @@ class StepExecutor:
         fn, shape = self._program(layout, bucket, moving, full, expanded)
         prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
         pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
-        args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev, self.step_input_abstract(shape)]
+        args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev, self.step_input_abstract(shape, full)]
         if moving:
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
         return fn.lower(*args)
@@ -616,7 +630,7 @@ class StepExecutor:
         if defer and not full:
             raise ValueError("only a full step defers its sampling")
         program = self.compiled(self.layout, bucket, move is not None, full, expanded)
-        inputs = [self.step_input(rep, dev)]
+        inputs = [self.step_input(rep, dev, full)]
         if move is not None:
             inputs.append(jax.device_put(move, self.per_device))
         out, self.kv, self.penalties, *hidden = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)

@@ -249,7 +249,7 @@ class MtpDraftRunner:
         kv_specs = jax.tree.map(lambda _: POOL_SPEC, ex.kv_abstract(layout))
         in_specs = (param_specs_, kv_specs, P(), P(), P(AXIS), P(), P(AXIS))
         mapped = jax.shard_map(per_device, mesh=ex.mesh, in_specs=in_specs, out_specs=(P(), kv_specs), check_vma=False)
-        to_device = ex.device_step_buffer  # the step's own packed input, where the step program read it
+        to_device = ex.device_step_buffer  # the step's packed input (executor.draft_step_input)
 
         def program(params, kv, hidden, tokens, buf, mrep, mdev):
             return mapped(params, kv, hidden, tokens, to_device(buf), mrep, mdev)
@@ -314,7 +314,7 @@ class MtpDraftRunner:
         ex = self.ex
         mshape = MtpShape(ex.shape(ex.layout, bucket, expanded), self.k)
         mrep, mdev, chain_rows = pack_mtp(mshape, chunks, packed, tables, self.page_size)
-        self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, list(ex.step_inputs[:1]), mrep, mdev,
+        self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, [ex.draft_step_input()], mrep, mdev,
                              chunks, chain_rows, keep)
 
     def fire(self, tokens: jax.Array) -> None:
