@@ -262,6 +262,20 @@ def test_full_sampler_steps_feed_the_draft_program(engine, reference, monkeypatc
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
 
 
+def test_drafts_read_the_step_input_from_pinned_host_memory(folder, engine, reference, monkeypatch):
+    """With step inputs in pinned host memory (the GPU default) the draft program reads the step's
+    packed input there, also after a full step, whose input stays in device memory
+    (executor.draft_step_input): outputs as with device memory, drafts equal the reference."""
+    pinned = Engine(EngineConfig(model=str(folder), **dict(KW, step_input_memory="pinned_host", warmup=False)))
+    seen = _recording(pinned, monkeypatch)
+    for params in (SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, logprobs=2)):  # greedy, then full steps
+        want = _generate(engine, "off", PROMPTS[:2], params)
+        got = pinned.generate(PROMPTS[:2], params)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert {key[3] for key in pinned.executor._compiled} == {False, True}  # both kinds of step ran
+    assert seen and all(d == reference(seq) for seq, d in seen)
+
+
 # --- every layout and live switches (8 CPU devices) ----------------------------------------------
 def _switching(folder, n):
     """n = 2 compiles what it runs (every program of four layouts takes minutes of compiles on a

@@ -31,15 +31,20 @@ def test_the_step_buffer_holds_the_replicated_part_and_each_devices_own():
 
 @pytest.mark.parametrize("layout", ["tp", "dp"])
 def test_steps_from_pinned_host_memory_generate_what_steps_from_device_memory_do(layout):
-    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=3),
-              SamplingParams(max_tokens=8, logprobs=2)]
+    # greedy alone: steps sampled inside the step program (the ones that read pinned memory); then
+    # with random draws and logprobs: full steps (device memory either way, input_sharding)
+    greedy = [SamplingParams(max_tokens=8)] * len(PROMPTS)
+    mixed = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=3),
+             SamplingParams(max_tokens=8, logprobs=2)]
     outs = {}
     for memory in ("device", "pinned_host"):
         engine = Engine(EngineConfig(layout=layout, num_devices=2, step_input_memory=memory, **KW))
         ex = engine.executor
         assert ex.input_sharding().memory_kind == (memory if memory == "pinned_host" else "device")
         assert ex.input_sharding(full=True).memory_kind == "device"
-        outs[memory] = [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, params)]
+        outs[memory] = [(o.token_ids, o.logprobs) for params in (greedy, mixed) for o in engine.generate(PROMPTS, params)]
+        fulls = {key[3] for key in ex._compiled}  # (layout, bucket, moving, full, expanded)
+        assert fulls == {False, True}, "both kinds of step program ran"
     assert outs["pinned_host"] == outs["device"]
 
 
