@@ -94,6 +94,8 @@ def main(argv=None):
                         help="buckets up to this many tokens get XLA's unrolled layer loop (EngineConfig)")
     parser.add_argument("--step-input-memory", default=EngineConfig.step_input_memory,
                         help="auto | pinned_host | device: where a step's packed input is put (EngineConfig)")
+    parser.add_argument("--fused-sampler-max-tokens", type=int, default=EngineConfig.fused_sampler_max_tokens,
+                        help="full steps of buckets up to this many tokens sample inside the step (EngineConfig; default: auto)")
     parser.add_argument("--compile-cache-dir", default="", help="persistent XLA cache ('': off, so compile times are cold)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -117,6 +119,7 @@ def main(argv=None):
         min_token_bucket=args.min_token_bucket, scan_layers=args.scan_layers, expert_weights=args.expert_weights,
         graph_scheduling=args.graph_scheduling, unroll_max_tokens=args.unroll_max_tokens,
         step_input_memory=args.step_input_memory, compile_cache_dir=args.compile_cache_dir,
+        fused_sampler_max_tokens=args.fused_sampler_max_tokens,
     ))
     cfg = engine.model_config
     rows = []

@@ -181,6 +181,7 @@ class AotBuild:
             move_pages=self.switch_chunk_pages if switching else 0,
             expanded_min_tokens=config.resolved_expanded_min_tokens(self.platform), graph_scheduling=config.graph_scheduling,
             step_input_memory=config.resolved_step_input_memory(self.platform),
+            fused_max_tokens=config.resolved_fused_sampler_max_tokens(self.platform),
         )
         self.layouts = [get_layout(name) for name in LAYOUT_NAMES] if config.enable_switching else [self.layout]
         self.handoff_chunk_pages = handoff_chunk_pages(self.switch_chunk_pages, config.max_num_seqs, self.n, self.page_bytes)
@@ -211,10 +212,11 @@ class AotBuild:
         """Every program the engine would compile at start-up with this config: the steps of each
         layout x bucket x variant, the sampler programs, and (switching) the migration programs."""
         ex, out = self.executor, []
-        for lay, bucket, moving, full, expanded in ex.program_keys(self.layouts, moving=self.config.enable_switching):
-            variant = "+".join(["full" if full else "greedy"] + ["moving"] * moving + ["expanded"] * expanded)
+        for lay, bucket, moving, full, expanded, mode in ex.program_keys(self.layouts, moving=self.config.enable_switching):
+            variant = "+".join(["full" if full else "greedy"] + ["moving"] * moving + ["expanded"] * expanded
+                               + ([f"fused-{mode_name(mode)}"] if mode is not None else []))
             out.append(Program(f"step/{lay.name}/t{bucket.tokens}r{bucket.requests}/{variant}", "step",
-                               lambda k=(lay, bucket, moving, full, expanded): ex.lower(*k), lay.name,
+                               lambda k=(lay, bucket, moving, full, expanded, mode): ex.lower(*k), lay.name,
                                bucket.tokens, bucket.requests, variant))
         for rows, mode in ex.sampler_keys(ex.program_layouts(self.layouts)):
             out.append(Program(f"sampler/r{rows}/{mode_name(mode)}", "sampler",

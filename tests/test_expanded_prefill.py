@@ -205,7 +205,7 @@ def test_engine_greedy_outputs_with_expanded_prefill_equal_absorbed_and_compile_
     engine = Engine(EngineConfig(layout="tp", num_devices=2, prefill_attention="expanded", expanded_prefill_min_tokens=16,
                                  min_token_bucket=32, **kw))  # one bucket: 2 programs + 2 expanded ones
     compiled = engine.executor.num_compiled
-    assert any(key[-1] for key in engine.executor._compiled), "warm-up compiled no expanded program"
+    assert any(key[4] for key in engine.executor._compiled), "warm-up compiled no expanded program"
     assert [o.token_ids for o in engine.generate(prompts, params)] == absorbed
     assert engine.executor.num_compiled == compiled  # dp's expanded logits: test_expanded_prefill_logits_...[dp]
 
@@ -293,7 +293,7 @@ def test_an_expanded_program_that_does_not_build_leaves_its_bucket_absorbed(monk
     prompts, params = ["Latent attention " * 6, "ok"], SamplingParams(max_tokens=4)
     want = [o.token_ids for o in Engine(EngineConfig(warmup=False, **kw)).generate(prompts, params)]
     engine = Engine(EngineConfig(prefill_attention="expanded", expanded_prefill_min_tokens=16, min_token_bucket=32, **kw))
-    assert not any(key[-1] for key in engine.executor._compiled)
+    assert not any(key[4] for key in engine.executor._compiled)
     assert not any(engine.executor.expands(engine.layout, b) for b in engine.executor.buckets(engine.layout))
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
 

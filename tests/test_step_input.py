@@ -43,7 +43,7 @@ def test_steps_from_pinned_host_memory_generate_what_steps_from_device_memory_do
         assert ex.input_sharding().memory_kind == (memory if memory == "pinned_host" else "device")
         assert ex.input_sharding(full=True).memory_kind == "device"
         outs[memory] = [(o.token_ids, o.logprobs) for params in (greedy, mixed) for o in engine.generate(PROMPTS, params)]
-        fulls = {key[3] for key in ex._compiled}  # (layout, bucket, moving, full, expanded)
+        fulls = {key[3] for key in ex._compiled}  # (layout, bucket, moving, full, expanded, mode)
         assert fulls == {False, True}, "both kinds of step program ran"
     assert outs["pinned_host"] == outs["device"]
 

@@ -14,6 +14,10 @@ the same compiled greedy step program on an all-padding step and times the call 
   sampled   as pinned, with the full step program (random draws, logprobs, penalties) and then
             the sampler program: the two launches of a step with sampling parameters
   sampled-device  as sampled, the packed step in device memory
+  fused     the fused full step (executor.fuses: it samples inside, FULL_MODE like sampled), its
+            packed step in pinned host memory: one launch, as the engine runs small full steps
+  full-only as sampled-device without the sampler program (its logits dropped): whether what
+            the sampler program allocates between two full steps moves the full step's buffers
 First each case waits for the device after every call (the launch on an idle device); then
 `--rounds` rounds run each case `--calls` times back to back, nothing waited for (queued-*): if
 the launch takes as long as the device's work the host waits for the device inside the launch;
@@ -29,6 +33,7 @@ import argparse
 import collections
 import glob
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -56,7 +61,7 @@ def parse_option(text: str):
         return key, value
 
 
-CASES = ("pinned", "device", "reused", "tokens", "sampled", "sampled-device")  # which inputs are fresh per call (see the docstring)
+CASES = ("pinned", "device", "reused", "tokens", "sampled", "sampled-device", "fused", "full-only")  # which inputs are fresh per call (see the docstring)
 # Host events that only wrap the launch (each contains the next): left out of the breakdown.
 WRAPPERS = ("PjitFunction", "LoadedExecutable", "ExecuteHelper", "RawLoadedExecutable", "GpuExecutable::ExecuteThunks",
             "XLA GPU module")
@@ -120,6 +125,7 @@ def main(argv=None):
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--unroll-max-tokens", type=int, default=EngineConfig.unroll_max_tokens)
     ap.add_argument("--xla-option", action="append", default=[], help="KEY=VALUE added to the step program's compile options")
+    ap.add_argument("--dump-hlo", default="", help="folder to write each compiled program's optimized HLO to")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     folder = shape_folder(args.shape, **({"num_hidden_layers": args.num_layers} if args.num_layers else {}))
@@ -152,6 +158,21 @@ def main(argv=None):
         compile_s[f"full-{memory}"] = time.perf_counter() - t
     logit_rows = ex.shape(engine.layout, bucket).rows
     ex.sampler_program(logit_rows, FULL_MODE)
+    ex.fused_max_tokens = bucket.tokens  # the fused variant of this bucket (the probe's engine may not fuse)
+    ex.input_sharding = lambda full=False: shardings["pinned_host"]
+    t = time.perf_counter()
+    fused_program = ex._compile(ex.lower(engine.layout, bucket, full=True, mode=FULL_MODE), False, ex.unrolled(bucket))
+    compile_s["fused"] = time.perf_counter() - t
+    open_mask = ex.open_mask(logit_rows)
+    if args.dump_hlo:
+        os.makedirs(args.dump_hlo, exist_ok=True)
+        texts = {f"step-{m}": p.as_text() for m, p in programs.items()} | {f"full-{m}": p.as_text() for m, p in full_programs.items()}
+        texts["sampler"] = ex.sampler_program(logit_rows, FULL_MODE).as_text()
+        texts["fused"] = fused_program.as_text()
+        for name, text in texts.items():
+            with open(os.path.join(args.dump_hlo, f"{name}.hlo.txt"), "w") as f:
+                f.write(text)
+        log.info("wrote the optimized HLO of %s to %s", sorted(texts), args.dump_hlo)
     reused = jax.device_put(buffer, shardings["device"])
     prev_fixed = ex.prev_tokens
     times = collections.defaultdict(list)  # case -> [(put s, launch s)]
@@ -159,20 +180,26 @@ def main(argv=None):
     def call(case, wait=True):
         """One call of the step program with this case's inputs; returns the launch time."""
         t = time.perf_counter()
-        memory = "device" if case in ("device", "reused", "tokens", "sampled-device") else "pinned_host"
+        memory = "device" if case in ("device", "reused", "tokens", "sampled-device", "full-only") else "pinned_host"
         buf = reused if case in ("reused", "tokens") else jax.device_put(buffer, shardings[memory])
         prev = prev_fixed if case == "reused" else ex.prev_tokens
         t1 = time.perf_counter()
-        if case.startswith("sampled"):
+        if case == "fused":
+            out, ex.kv, ex.penalties = fused_program(tuple(ex.params), ex.kv, ex.penalties, prev, buf, open_mask)
+        elif case == "full-only":
+            logits, ex.kv, ex.penalties = full_programs[memory](tuple(ex.params), ex.kv, ex.penalties, prev, buf)
+            out = logits.sampling  # prev_tokens stay (a full step's tokens come from its sampler)
+        elif case.startswith("sampled"):
             logits, ex.kv, ex.penalties = full_programs[memory](tuple(ex.params), ex.kv, ex.penalties, prev, buf)
             out = ex.sample(logits)
         else:
             out, ex.kv, ex.penalties = programs[memory](tuple(ex.params), ex.kv, ex.penalties, prev, buf)
         launch = time.perf_counter() - t1
         times[case].append((t1 - t, launch))
-        ex.prev_tokens = out.tokens
+        if case != "full-only":
+            ex.prev_tokens = out.tokens
         if wait:
-            jax.block_until_ready(out.tokens)
+            jax.block_until_ready(out)
         return launch
 
     rows = []

@@ -64,9 +64,11 @@ class Follower:
         self.lag_s.append(time.time() - cmd.fields["t"])
         a = cmd.arrays
         try:
-            inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"], cmd.fields["full"])
-            out = self.ex.run(Bucket(**cmd.fields["bucket"]), *inputs, cmd.fields["full"], cmd.fields.get("expanded", False),
-                              SamplerMode(**cmd.fields.get("mode", {})), cmd.fields.get("defer", False))
+            bucket, full, expanded, defer = (Bucket(**cmd.fields["bucket"]), cmd.fields["full"],
+                                             cmd.fields.get("expanded", False), cmd.fields.get("defer", False))
+            apart = self.ex.returns_logits(bucket, full, a["move"] is not None, expanded, defer)
+            inputs = global_step_inputs(self.ex, a["rep"], a["dev"], a["move"], apart)
+            out = self.ex.run(bucket, *inputs, full, expanded, SamplerMode(**cmd.fields.get("mode", {})), defer)
             self.deferred = out if cmd.fields.get("defer", False) else None
         except Exception as e:  # noqa: BLE001 - process 0 sees the same failure and sends `reset`
             log.warning("mirrored step failed (%s: %s); waiting for process 0's recovery", type(e).__name__, e)

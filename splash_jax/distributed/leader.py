@@ -35,6 +35,7 @@ def global_mask(ex, mask):
 
 
 def global_step_inputs(ex, rep, dev, move, full=False):
+    # full: the step program returns its logits to a sampler program (executor.returns_logits)
     """A step's host buffers as global arrays, each process filling its own shards from its copy.
 
     jax.device_put of a numpy array onto a multi-process sharding first checks that every process
@@ -96,7 +97,7 @@ class LeaderExecutor:
                      "mode": dataclasses.asdict(mode), "defer": bool(defer), "t": time.time()},
             {"rep": rep, "dev": dev, "move": move},
         ))
-        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move, full), full, expanded, mode, defer)
+        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move, self._inner.returns_logits(bucket, full, move is not None, expanded, defer)), full, expanded, mode, defer)
 
     def sample(self, step, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None):
         self._channel.send(Command("sample", {"mode": dataclasses.asdict(mode)}, {"mask": mask}))

@@ -105,6 +105,14 @@ class EngineConfig:
     # (executor.UNROLLED_GPU_OPTIONS, docs/kernels.md). Bigger steps keep the loop (their launch
     # hides behind the device's work). 0: never.
     unroll_max_tokens: int = 8
+    # Full steps (random draws, logprobs, penalties) of buckets with at most this many token slots
+    # sample inside the step program (one fused program per bucket and sampler mode) instead of
+    # handing their logits to a sampler program: one launch per step, and no program between two
+    # steps to move the step's CUDA-graph buffers, which made the host re-record the whole graph
+    # every step (batch-1 random sampling on an H200: docs/kernels.md). Grammar-constrained steps
+    # keep the sampler program (their masks are filled while the step runs). None: 8 on GPUs, 0
+    # (never) elsewhere, where launches cost little and each fused program is 4 more compiles.
+    fused_sampler_max_tokens: int | None = None
     # Where a step's packed inputs (one buffer per step, step_packer.step_buffer) are put:
     # pinned_host (the step program moves them to the device itself) | device | auto (pinned_host
     # on GPUs). A host-to-device transfer of a fresh buffer made the next launch wait for the step
@@ -161,6 +169,12 @@ class EngineConfig:
             return self.warmup and backend != "cpu"
         return self.warmup_runs == "on"
 
+    def resolved_fused_sampler_max_tokens(self, platform: str) -> int:
+        """None (auto): 8 token slots on GPUs, 0 elsewhere (see fused_sampler_max_tokens)."""
+        if self.fused_sampler_max_tokens is None:
+            return 8 if platform == "gpu" else 0
+        return self.fused_sampler_max_tokens
+
     def resolved_step_input_memory(self, platform: str) -> str:
         """auto: pinned host memory on GPUs (see step_input_memory), device memory elsewhere."""
         if self.step_input_memory == "auto":
@@ -198,6 +212,8 @@ class EngineConfig:
             raise ValueError(f"--graph-scheduling must be concurrent or xla, got {self.graph_scheduling!r}")
         if self.step_input_memory not in ("auto", "pinned_host", "device"):
             raise ValueError(f"--step-input-memory must be auto, pinned_host or device, got {self.step_input_memory!r}")
+        if self.fused_sampler_max_tokens is not None and self.fused_sampler_max_tokens < 0:
+            raise ValueError(f"--fused-sampler-max-tokens must be >= 0, got {self.fused_sampler_max_tokens}")
         if self.unroll_max_tokens < 0:
             raise ValueError(f"--unroll-max-tokens must be >= 0, got {self.unroll_max_tokens}")
         if self.layout_policy not in ("off", "auto"):

@@ -71,6 +71,16 @@ def enable_compilation_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+
+def start_host_copies(result, want_logprobs: bool) -> None:
+    """Start the device-to-host copies of what _complete reads back, at dispatch: the tokens, and
+    the logprob arrays of a step that returns logprobs (read without it, each is a transfer the
+    host waits for after the step: batch-1 decode with logprobs, docs/kernels.md)."""
+    result.tokens.copy_to_host_async()
+    if want_logprobs:
+        for x in (result.logprob, result.top_ids, result.top_logprobs):
+            x.copy_to_host_async()
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None, **overrides):
         config = config or EngineConfig()
@@ -177,6 +187,7 @@ class Engine:
             expanded_min_tokens=config.resolved_expanded_min_tokens(backend),
             graph_scheduling=config.graph_scheduling, unroll_max_tokens=config.unroll_max_tokens,
             step_input_memory=config.resolved_step_input_memory(backend),
+            fused_max_tokens=config.resolved_fused_sampler_max_tokens(backend),
         )
         self.mtp = None  # MTP draft programs (engine/mtp_draft.py): one per step program, run right after it
         if mtp:
@@ -489,8 +500,9 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
             self._recover(e, chunks)
             return None
+        want = bool(lp_chunks) or any(c.request.params.logprobs is not None for c in sampling)
         if not constrained:
-            out.tokens.copy_to_host_async()
+            start_host_copies(out, want)
         self.scheduler.dispatched(chunks)  # the pages these chunks completed may be cached now
         for c, row in zip(sampling, packed.rows):
             c.request.pending_row = row
@@ -498,7 +510,6 @@ class Engine:
         for c in chunks:
             if c.request.metrics.first_scheduled is None:
                 c.request.metrics.first_scheduled = now
-        want = bool(lp_chunks) or any(c.request.params.logprobs is not None for c in sampling)
         if constrained:
             return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode)
         return InFlight(chunks, packed.rows, out, want, packed.prompt_rows)
@@ -515,7 +526,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the sampler failed on the device
             self._recover(e, step.chunks)
             return
-        step.result.tokens.copy_to_host_async()
+        start_host_copies(step.result, step.want_logprobs)
 
     def _complete(self, step: InFlight, back_to_back: bool = False) -> list[RequestOutput]:
         """Read back a dispatched step and apply its tokens (stops, finishes, output deltas).

@@ -3,6 +3,10 @@ and the one owner of the device state those programs update (params, KV pool, pe
 A step whose rows draw, want logprobs or use penalties (the `full` variant) leaves its logits to
 a small sampler program per (rows, SamplerMode), so only the rows' wishes decide the
 vocabulary-wide work (a filter sort, top-n logprobs) and no step program is compiled per wish.
+Buckets of at most `fused_max_tokens` tokens (GPUs: where the launch, not the device, sets a
+step's time) also get a `fused` variant per SamplerMode that samples inside the step: one launch,
+and no sampler program between two steps to move the step's CUDA-graph buffers (which made the
+host update the whole graph every step: docs/kernels.md).
 
 Each program is the whole model step inside one `jax.shard_map` over the mesh, with the
 layout's explicit collectives (splash_jax/attention/layouts.py). It takes
@@ -39,6 +43,10 @@ from tqdm.auto import tqdm
 from splash_jax.attention import expanded
 from splash_jax.attention.layouts import ShardedContext
 from splash_jax.compile_stats import CompileStats
+from splash_jax.engine.compile_options import (  # noqa: F401  (re-exported: tests, probes)
+    CONCURRENT_GRAPH_OPTIONS, EXPANDED_GPU_OPTIONS, GRAPH_SCHEDULING, OPTIONAL_OPTIONS, SCANNED_GPU_OPTIONS,
+    UNROLLED_GPU_OPTIONS, step_compiler_options,
+)
 from splash_jax.engine.penalties import PenaltyState, update_history
 from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, SamplingInputs, sample
 from splash_jax.engine.step_packer import StepShape, split_step_buffer, step_buffer, unpack_step
@@ -143,71 +151,6 @@ class StepLogits:
     sampling: SamplingInputs  # [rows], replicated
 
 
-# Scanned layers on GPUs: a layer's weights are slices of the stacks, and XLA copies a slice whole
-# before a Triton GEMM fusion reads it (~62 MB per V2-Lite layer, 1.15 ms per step at 27 layers
-# on an H200). cuBLAS GEMMs with dynamic-slice fusion read the slice in place: with these options
-# the scanned step measured 5.46 / 11.06 / 12.92 ms at batch 1 / 32 / 128 (unrolled default
-# 6.00 / 10.73 / 12.95; docs/startup.md). The Pallas kernels are not affected.
-SCANNED_GPU_OPTIONS = {
-    "xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True,
-    # XLA merges dots that share an input (gate|up of the shared experts, q|kv_a) by concatenating
-    # their weights, which for weights sliced from the layer stacks is a copy every layer of every
-    # step: 11.5 + 9.5 us per layer at 8 tokens on an H200 (V2-Lite decode, --top-kernels). Off.
-    "xla_gpu_dot_merger_threshold_mb": 0,
-}
-# Options a different XLA may not know or may spell differently: a compile that refuses one runs
-# without it (logged once), instead of failing the engine.
-OPTIONAL_OPTIONS = ("xla_gpu_enable_command_buffer", "xla_gpu_dot_merger_threshold_mb",
-                    "xla_gpu_command_buffer_scheduling_mode", "xla_gpu_graph_enable_concurrent_region",
-                    "xla_gpu_enable_while_loop_unrolling")
-
-# Small scanned steps get their layer loop unrolled by XLA at compile time (after JAX traced one
-# layer, so tracing stays independent of depth). A scanned loop is launched from the host one
-# iteration at a time, and each iteration's CUDA graph is updated for the next layer's weight
-# slices: the launch of a V2-Lite 27-layer decode step cost the host 3.4-3.6 ms for 1.8 ms of GPU
-# work; unrolled by XLA, one graph, 0.66-0.72 ms (benchmarks/probes/launch_cost.py, one H200).
-UNROLLED_GPU_OPTIONS = {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"}
-
-# A step is captured in CUDA graphs (XLA command buffers). By default XLA records its kernels as one
-# chain; with these options the graph keeps only the data dependencies, so independent kernels run
-# side by side (the shared experts beside the router and routed experts, q_proj beside kv_a, ...).
-# At batch 1 most kernels are a few microseconds and fill a fraction of the GPU. V2-Lite 27 layers,
-# one H200: GPU busy 3.41 -> 2.94 ms at batch 1 x 1K, 11.85 -> 11.16 ms at batch 128 x 1K
-# (benchmarks/decode_roofline, --graph-scheduling concurrent vs xla).
-CONCURRENT_GRAPH_OPTIONS = {
-    "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
-    "xla_gpu_graph_enable_concurrent_region": True,
-}
-GRAPH_SCHEDULING = ("concurrent", "xla")
-
-
-# Expanded-prefill programs loop over the prefix in blocks (attention/expanded.py): a while loop
-# whose trip count XLA reads back on the host each iteration, stalling the stream every layer.
-# Captured in a CUDA graph (command buffer, conditional nodes) the loop runs on the device alone:
-# V2-Lite 27 layers, one H200, one-chunk prefills of 256 / 1024 / 4096 tokens 18.1 / 30.4 / 82.8 ->
-# 16.1 / 28.0 / 74.8 ms (benchmarks/prefill.py, XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL).
-# Per-compile options take no +/- modifiers: XLA's default command types, plus the two.
-EXPANDED_GPU_OPTIONS = {
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
-}
-
-
-def step_compiler_options(backend: str, scan_layers: bool, expanded: bool = False,
-                          graph_scheduling: str = "concurrent", unrolled: bool = False) -> dict:
-    """XLA options for the step programs (per compile, so a notebook's other programs keep theirs).
-    unrolled: XLA unrolls the scanned layer loop (UNROLLED_GPU_OPTIONS)."""
-    if graph_scheduling not in GRAPH_SCHEDULING:
-        raise ValueError(f"--graph-scheduling must be one of {GRAPH_SCHEDULING}, got {graph_scheduling!r}")
-    options = dict(SCANNED_GPU_OPTIONS) if backend == "gpu" and scan_layers else {}
-    if backend == "gpu" and scan_layers and unrolled:
-        options.update(UNROLLED_GPU_OPTIONS)
-    if backend == "gpu" and expanded:
-        options.update(EXPANDED_GPU_OPTIONS)
-    if backend == "gpu" and graph_scheduling == "concurrent":
-        options.update(CONCURRENT_GRAPH_OPTIONS)
-    return options
-
-
 class StepExecutor:
     # MTP drafts (engine/mtp_draft.py): step programs also return the final hidden state of every
     # token slot (the LM head's input), kept as `step_hidden` with the step's device inputs
@@ -220,7 +163,7 @@ class StepExecutor:
         self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
         expanded_min_tokens: int = 0, graph_scheduling: str = "concurrent", unroll_max_tokens: int = 0,
-        step_input_memory: str = "device",
+        step_input_memory: str = "device", fused_max_tokens: int = 0,
     ):
         self.graphdef, state = nnx.split(model)
         leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -262,7 +205,7 @@ class StepExecutor:
         else:
             self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
             self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
-        self._compiled: dict[tuple[str, Bucket, bool, bool, bool], object] = {}
+        self._compiled: dict[tuple[str, Bucket, bool, bool, bool, SamplerMode | None], object] = {}
         self._samplers: dict[tuple[int, SamplerMode], object] = {}  # (logits rows, mode) -> compiled
         self._open_masks: dict[int, jax.Array] = {}  # logits rows -> all-ones token mask on the device
         self.num_compiled = 0
@@ -272,6 +215,7 @@ class StepExecutor:
         scanned = getattr(model.options, "scan_layers", False)
         # Buckets of at most this many tokens get XLA's unrolled layer loop (scanned GPU steps only).
         self.unroll_max_tokens = unroll_max_tokens if backend == "gpu" and scanned else 0
+        self.fused_max_tokens = fused_max_tokens  # buckets up to this size sample inside the step (`fuses`)
         self.compiler_options = {(e, u): step_compiler_options(backend, scanned, e, graph_scheduling, u)
                                  for e in (False, True) for u in (False, True)}
 
@@ -340,12 +284,12 @@ class StepExecutor:
         )
 
     def _build(self, key: tuple, build):
-        """build() for the program key (layout, bucket, moving, full, expanded): an expanded variant
-        that fails (lowering or compile) is refused and gives None; any other failure raises."""
+        """build() for the program key (layout, bucket, moving, full, expanded, mode): an expanded
+        variant that fails (lowering or compile) is refused and gives None; any other failure raises."""
         try:
             return build()
         except Exception as e:  # noqa: BLE001 - only an expanded variant may fail softly
-            if not key[-1]:
+            if not key[4]:
                 raise
             self._refuse_expanded(key[0].name, key[1], e)
             return None
@@ -360,13 +304,32 @@ class StepExecutor:
                     layout_name, bucket, type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
 
     # --- programs -------------------------------------------------------------------------------
-    def _program(self, layout: Layout, bucket: Bucket, moving: bool, full: bool, expanded: bool):
+    def fuses(self, bucket: Bucket, moving: bool = False, expanded: bool = False) -> bool:
+        """Whether this bucket's full steps (not moving pages, not expanded) sample inside the step
+        program (the `fused` variant, one per SamplerMode) unless their sampling is deferred."""
+        return bucket.tokens <= self.fused_max_tokens and not moving and not expanded
+
+    def returns_logits(self, bucket: Bucket, full: bool, moving: bool = False, expanded: bool = False,
+                       defer: bool = False) -> bool:
+        """Whether `run` with these arguments dispatches a step program that returns its logits to a
+        sampler program (a full step that does not fuse): what input_sharding's `full` asks."""
+        return full and (defer or not self.fuses(bucket, moving, expanded))
+
+    def _program(self, layout: Layout, bucket: Bucket, moving: bool, full: bool, expanded: bool,
+                 mode: SamplerMode | None = None):
+        """The step program; with `mode` (full only) the fused variant, which samples in `mode`
+        with the step's grammar mask (an input after the packed buffer) instead of returning logits."""
+        if mode is not None and not (full and self.fuses(bucket, moving, expanded)):
+            raise ValueError(f"no fused program for {bucket} (moving={moving}, expanded={expanded}, full={full})")
+        fused = mode is not None
         shape = self.shape(layout, bucket, expanded)
         ctx = ShardedContext(layout, self.n, self.impl)
         graphdef, treedef, max_rows = self.graphdef, self.treedef, self.max_rows
         hidden_out = self.mtp_hidden
 
-        def per_device(params, kv, penalties, prev_tokens, buf, *move):
+        def per_device(params, kv, penalties, prev_tokens, buf, *rest):
+            mask = rest[0] if fused else None
+            move = rest[1:] if fused else rest
             if moving:
                 outgoing, kv = move_pages_start(kv, move[0][0])
             batch, sampling, token_slot, prompt_len = unpack_step(shape, *split_step_buffer(shape, buf[0]), prev_tokens)
@@ -380,32 +343,36 @@ class StepExecutor:
             if moving:
                 kv = move_pages_finish(kv, outgoing, move[0][0])
             if full:  # the host picks `full` whenever a request of the step needs penalties; the
-                # step's sampler program (sampler_program) draws from these logits
+                # step's sampler program (sampler_program) draws from these logits, or (fused) this one
                 penalties = update_history(penalties, batch.tokens, batch.positions, token_slot, prompt_len)
-                return (StepLogits(logits.astype(jnp.float32), sampling), kv, penalties) + extra
-            out = sample(logits, sampling, None, full=False)
+                if not fused:
+                    return (StepLogits(logits.astype(jnp.float32), sampling), kv, penalties) + extra
+                out = sample(logits, sampling, penalties, full=True, mode=mode, mask=mask)
+            else:
+                out = sample(logits, sampling, None, full=False)
             tokens = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
             return (StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties) + extra
 
         param_specs_ = tuple(layout.param_spec(p) for p in self.paths)
         kv_specs = jax.tree.map(lambda _: POOL_SPEC, self.kv_abstract(layout))
         pen_specs = jax.tree.map(lambda _: P(), self.penalties)
-        in_specs = (param_specs_, kv_specs, pen_specs, P(), P(AXIS)) + ((P(AXIS),) if moving else ())
+        in_specs = (param_specs_, kv_specs, pen_specs, P(), P(AXIS)) + ((P(),) if fused else ()) + ((P(AXIS),) if moving else ())
         mapped = jax.shard_map(
             per_device, mesh=self.mesh, in_specs=in_specs,
             out_specs=(P(), kv_specs, pen_specs) + ((P(),) if hidden_out else ()), check_vma=False,
         )
-        to_device = functools.partial(self.device_step_buffer, full=full)
+        to_device = functools.partial(self.device_step_buffer, full=full and not fused)
 
-        def program(params, kv, penalties, prev_tokens, buf, *move):
-            return mapped(params, kv, penalties, prev_tokens, to_device(buf), *move)
+        def program(params, kv, penalties, prev_tokens, buf, *rest):
+            return mapped(params, kv, penalties, prev_tokens, to_device(buf), *rest)
 
         return jax.jit(program, donate_argnums=(1, 2)), shape
 
     def input_sharding(self, full: bool = False) -> NamedSharding:
         """Where a step program's packed input lives. Pinned host memory (when asked) for the
-        sampled-on-device steps only: a full step (then its sampler program) ran slower from it at
-        batch 1 on an H200 (6.5 vs 4.2 ms per step, docs/kernels.md), so it reads device memory."""
+        sampled-on-device steps only (greedy and fused; `full` here means a step that hands its
+        logits to a sampler program): such a step ran slower from it at batch 1 on an H200 (6.5 vs
+        4.2 ms per step, docs/kernels.md), so it reads device memory."""
         return self.per_device.with_memory_kind("pinned_host") if self.pinned_input and not full else self.per_device
 
     def step_input_abstract(self, shape: StepShape, full: bool = False) -> jax.ShapeDtypeStruct:
@@ -489,11 +456,15 @@ class StepExecutor:
         self.compile_seconds += rec["seconds"]
         return len(todo)
 
-    def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False):
-        fn, shape = self._program(layout, bucket, moving, full, expanded)
+    def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
+              mode: SamplerMode | None = None):
+        fn, shape = self._program(layout, bucket, moving, full, expanded, mode)
         prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
         pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
-        args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev, self.step_input_abstract(shape, full)]
+        args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev,
+                self.step_input_abstract(shape, full and mode is None)]
+        if mode is not None:
+            args.append(jax.ShapeDtypeStruct((shape.rows, self.mask_words), jnp.int32, sharding=self.replicated))
         if moving:
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
         return fn.lower(*args)
@@ -527,13 +498,16 @@ class StepExecutor:
         return list(dict.fromkeys(self.program_layout(l) for l in (layouts or [self.layout])))
 
     def program_keys(self, layouts: list[Layout], moving: bool = False) -> list[tuple]:
-        """(layout, bucket, moving, full, expanded) of every step program `compile_all` builds for
-        `layouts`: each bucket with both samplers (greedy, full), the `moving` variants when
-        switching, and the `expanded` variant (not moving) of the buckets that have one."""
+        """(layout, bucket, moving, full, expanded, mode) of every step program `compile_all` builds
+        for `layouts`: each bucket with both samplers (greedy, full), the `moving` variants when
+        switching, the `expanded` variant (not moving) of the buckets that have one, and the fused
+        variant per SamplerMode (mode not None) of the buckets that fuse."""
         variants = (False, True) if moving and self.move_pages else (False,)
-        return [(lay, b, m, f, e) for lay in self.program_layouts(layouts) for b in self.buckets(lay)
+        keys = [(lay, b, m, f, e, None) for lay in self.program_layouts(layouts) for b in self.buckets(lay)
                 for m in variants for f in (False, True)
                 for e in ((False, True) if self.expands(lay, b) and not m else (False,))]
+        return keys + [(lay, b, False, True, False, mode) for lay in self.program_layouts(layouts)
+                       for b in self.buckets(lay) if self.fuses(b) for mode in SAMPLER_MODES]
 
     def sampler_keys(self, layouts: list[Layout]) -> list[tuple[int, SamplerMode]]:
         """(logits rows, mode) of every sampler program these layouts' full steps can need."""
@@ -555,7 +529,7 @@ class StepExecutor:
         ) as bar:
             if workers == 1:  # lower and compile one program at a time
                 for key in todo:
-                    program = self._build(key, lambda key=key: self._compile(self.lower(*key), key[-1], self.unrolled(key[1])))
+                    program = self._build(key, lambda key=key: self._compile(self.lower(*key), key[4], self.unrolled(key[1])))
                     if program is not None:
                         self._compiled[(key[0].name, *key[1:])] = program
                     bar.update()
@@ -572,7 +546,7 @@ class StepExecutor:
                         if lowered is None:
                             bar.update()
                         else:
-                            futures[pool.submit(self._compile, lowered, key[-1], self.unrolled(key[1]))] = key
+                            futures[pool.submit(self._compile, lowered, key[4], self.unrolled(key[1]))] = key
                 finally:
                     threading.stack_size(previous)
                 with pool:
@@ -593,14 +567,15 @@ class StepExecutor:
         )
         return rec["seconds"]
 
-    def compiled(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False):
+    def compiled(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
+                 mode: SamplerMode | None = None):
         layout = self.program_layout(layout)
-        key = (layout.name, bucket, moving, full, expanded)
+        key = (layout.name, bucket, moving, full, expanded, mode)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up; compiles once per bucket
             try:
-                program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded), expanded,
-                                                                    self.unrolled(bucket))
+                program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded, mode),
+                                                                    expanded, self.unrolled(bucket))
             except Exception as e:
                 if expanded:  # this step fails (the engine recovers); later ones pack absorbed
                     self._refuse_expanded(layout.name, bucket, e)
@@ -622,15 +597,20 @@ class StepExecutor:
         """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced.
         full: the sampler with random draws, logprobs, penalties and grammar masks
         (sampler.needs_full), then a sampler program for `mode` (what the step's rows ask for
-        beyond that) after the step's, with every token allowed. defer (full only): dispatch the
+        beyond that) after the step's, with every token allowed; in a bucket that fuses, the fused
+        program samples in `mode` itself (same tokens, one launch). defer (full only): dispatch the
         forward pass alone and return its StepLogits; `sample()` runs the sampler later, with the
         grammar masks the host fills meanwhile, before the next step. expanded: the program with a prefill_span (packed with `shape(..., expanded=True)`)."""
         if expanded and move is not None:
             raise ValueError("a step that moves pages has no expanded-prefill program")
         if defer and not full:
             raise ValueError("only a full step defers its sampling")
-        program = self.compiled(self.layout, bucket, move is not None, full, expanded)
-        inputs = [self.step_input(rep, dev, full)]
+        apart = self.returns_logits(bucket, full, move is not None, expanded, defer)
+        fused = full and not apart
+        program = self.compiled(self.layout, bucket, move is not None, full, expanded, mode if fused else None)
+        inputs = [self.step_input(rep, dev, apart)]
+        if fused:
+            inputs.append(self.open_mask(self.shape(self.layout, bucket, expanded).rows))
         if move is not None:
             inputs.append(jax.device_put(move, self.per_device))
         out, self.kv, self.penalties, *hidden = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)
@@ -638,7 +618,7 @@ class StepExecutor:
             self.step_hidden, self.step_inputs = hidden[0], inputs
         if defer:
             return out
-        return self.sample(out, mode) if full else self._sampled(out)
+        return self.sample(out, mode) if apart else self._sampled(out)
 
     def sample(self, step: StepLogits, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None) -> StepResult:
         """The sampler program on a full step's logits (deferred by `run(defer=True)`); its tokens

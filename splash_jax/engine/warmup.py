@@ -46,6 +46,11 @@ def run_every_program_once(engine, full_sampler: bool = True) -> int:
                             # a full step once per sampler mode, so every sampler program runs too
                             for mode in SAMPLER_MODES if full else (FULL_MODE,):  # greedy: no sampler program
                                 out = ex.run(bucket, packed.rep, packed.dev, move, full, expanded, mode)
+                                if full and ex.fuses(bucket, move is not None, expanded):
+                                    # that ran the fused program; a deferred (grammar) step runs
+                                    # the step that returns logits, then the sampler program
+                                    ex.sample(ex.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=True), mode)
+                                    count += 1
                                 if full:
                                     samplers.add((shape.rows, mode))
                             count += 1
