@@ -31,3 +31,15 @@ def _release_compiled_programs():
     yield
     gc.collect()
     jax.clear_caches()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject addopts): one test process per core, at most 4 and one per 4 GiB of
+    memory (a process holds a module's engines and their compiled programs: 2-3 GiB seen)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gib = 8.0
+    return max(1, min(cores, 4, int(mem_gib // 4)))
+
