@@ -22,6 +22,8 @@ import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
+from splash_jax import executable_cache  # noqa: E402
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
@@ -29,10 +31,12 @@ def _release_compiled_programs():
     memory mappings per kernel, and a whole suite in one process otherwise approaches the
     kernel's vm.max_map_count (65,530; LLVM then fails with "Unable to allocate section memory")."""
     yield
+    executable_cache.clear()  # the engines' executables shared within the module
     gc.collect()
     jax.clear_caches()
 
 
+@pytest.hookimpl(optionalhook=True)  # the hook exists only with pytest-xdist loaded (-p no:xdist runs serially)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject addopts): one test process per core, at most 4 and one per 4 GiB of
     memory (a process holds a module's engines and their compiled programs: 2-3 GiB seen)."""

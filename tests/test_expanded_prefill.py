@@ -256,12 +256,16 @@ def test_expanded_programs_get_command_buffer_options_on_gpus_and_fall_back_if_r
     assert step_compiler_options("cpu", True, expanded=True) == {}
 
     class Lowered:  # an XLA that does not know the option's values
+        def as_text(self):  # executable_cache's key
+            return "module @refused_options_test"
+
         def compile(self, compiler_options=None):
             if compiler_options and "xla_gpu_enable_command_buffer" in compiler_options:
                 raise RuntimeError("While setting option xla_gpu_enable_command_buffer, 'WHILE' is not a valid enum value.")
             return ("compiled", compiler_options)
 
     ex = StepExecutor.__new__(StepExecutor)
+    ex.device_key = ()
     ex.compiler_options = {(False, False): {}, (True, False): dict(EXPANDED_GPU_OPTIONS, other=1)}
     assert ex._compile(Lowered(), expanded=True) == ("compiled", {"other": 1})
     assert ex.compiler_options[(True, False)] == {"other": 1}  # later compiles skip the refused option

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from splash_jax.attention import expanded
 from splash_jax.attention.layouts import ShardedContext
 from splash_jax.compile_stats import CompileStats
+from splash_jax.executable_cache import compile_lowered
 from splash_jax.engine.compile_options import (  # noqa: F401  (re-exported: tests, probes)
     CONCURRENT_GRAPH_OPTIONS, EXPANDED_GPU_OPTIONS, GRAPH_SCHEDULING, OPTIONAL_OPTIONS, SCANNED_GPU_OPTIONS,
     UNROLLED_GPU_OPTIONS, step_compiler_options,
@@ -193,6 +194,8 @@ class StepExecutor:
             raise ValueError(f"step_input_memory must be pinned_host or device, got {step_input_memory!r}")
         self.pinned_input = step_input_memory == "pinned_host"
         self.pool_sharding = NamedSharding(mesh, POOL_SPEC)
+        # the mesh's devices, part of an executable_cache key (a program is compiled for them)
+        self.device_key = tuple((d.platform, d.id) for d in mesh.devices.flat)
         vocab = model.cfg.vocab_size
         # An abstract pool (ShapeDtypeStructs: splash_jax/aot.py, a TPU topology with no devices)
         # makes an executor that only lowers and compiles: its device state is shapes, never arrays.
@@ -429,7 +432,7 @@ class StepExecutor:
         """The compiled sampler program for `rows` logits rows (compiled here only without warm-up)."""
         program = self._samplers.get((rows, mode))
         if program is None:
-            program = self._samplers[(rows, mode)] = self.lower_sampler(rows, mode).compile()
+            program = self._samplers[(rows, mode)] = compile_lowered(self.lower_sampler(rows, mode), None, self.device_key)
             self.num_compiled += 1
         return program
 
@@ -449,7 +452,7 @@ class StepExecutor:
         todo = [key for key in self.sampler_keys(layouts) if key not in self._samplers]
         with self.compile_stats.track("samplers") as rec:
             for key in todo:
-                self._samplers[key] = self.lower_sampler(*key).compile()
+                self._samplers[key] = compile_lowered(self.lower_sampler(*key), None, self.device_key)
                 self.open_mask(key[0])
             rec["programs"] = len(todo)
         self.num_compiled += len(todo)
@@ -477,7 +480,7 @@ class StepExecutor:
         while True:
             options = self.compiler_options[(expanded, unrolled)]
             try:
-                return lowered.compile(compiler_options=options or None)
+                return compile_lowered(lowered, options, self.device_key)
             except Exception as e:  # an XLA that does not take an optional option: compile without it
                 refused = [k for k in OPTIONAL_OPTIONS if k in options and k in str(e)]
                 if not refused:

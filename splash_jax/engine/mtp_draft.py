@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from splash_jax.attention.layouts import ShardedContext
 from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, split_step_buffer, unpack_step
+from splash_jax.executable_cache import compile_lowered
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
 
@@ -288,7 +289,7 @@ class MtpDraftRunner:
         todo = [key for key in self.keys(layouts) if (key[0].name, *key[1:]) not in self._compiled]
         with self.ex.compile_stats.track("mtp_drafts") as rec:
             for lay, b, e in todo:
-                self._compiled[(lay.name, b, e)] = self.lower(lay, b, e).compile()
+                self._compiled[(lay.name, b, e)] = compile_lowered(self.lower(lay, b, e), None, self.ex.device_key)
             rec["programs"] = len(todo)
         self.ex.num_compiled += len(todo)
         self.ex.compile_seconds += rec["seconds"]
@@ -300,7 +301,7 @@ class MtpDraftRunner:
         key = (layout.name, bucket, expanded)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up
-            program = self._compiled[key] = self.lower(layout, bucket, expanded).compile()
+            program = self._compiled[key] = compile_lowered(self.lower(layout, bucket, expanded), None, self.ex.device_key)
             self.ex.num_compiled += 1
         return program
 
