@@ -47,3 +47,16 @@ def pytest_xdist_auto_num_workers(config):
         mem_gib = 8.0
     return max(1, min(cores, 4, int(mem_gib // 4)))
 
+
+
+# The heaviest modules first (serial seconds on the 2-core CI host, 2026-12-03, docs/testing.md):
+# files go to the test processes in collection order, and a heavy file collected last ran alone
+# at the end of the run while the other process idled.
+HEAVY_FIRST = ("test_switching.py", "test_notebook.py", "test_policy.py", "test_multihost.py", "test_tpu_aot.py",
+               "test_expanded_prefill.py", "test_speculative_mtp.py", "test_fuzz_server.py", "test_engine.py",
+               "test_layouts.py", "test_step_input.py", "test_padding.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order kept
