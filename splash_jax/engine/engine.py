@@ -71,7 +71,6 @@ def enable_compilation_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-
 def start_host_copies(result, want_logprobs: bool) -> None:
     """Start the device-to-host copies of what _complete reads back, at dispatch: the tokens, and
     the logprob arrays of a step that returns logprobs (read without it, each is a transfer the
@@ -80,6 +79,7 @@ def start_host_copies(result, want_logprobs: bool) -> None:
     if want_logprobs:
         for x in (result.logprob, result.top_ids, result.top_logprobs):
             x.copy_to_host_async()
+
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None, **overrides):
