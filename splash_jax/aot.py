@@ -180,6 +180,7 @@ class AotBuild:
             config.attention_impl, widths, config.max_num_seqs, extra_pages_total=self.n * self.extra_pages,
             move_pages=self.switch_chunk_pages if switching else 0,
             expanded_min_tokens=config.resolved_expanded_min_tokens(self.platform), graph_scheduling=config.graph_scheduling,
+            unroll_max_tokens=config.unroll_max_tokens,
             step_input_memory=config.resolved_step_input_memory(self.platform),
             fused_max_tokens=config.resolved_fused_sampler_max_tokens(self.platform),
         )

@@ -15,11 +15,19 @@ SCANNED_GPU_OPTIONS = {
     # step: 11.5 + 9.5 us per layer at 8 tokens on an H200 (V2-Lite decode, --top-kernels). Off.
     "xla_gpu_dot_merger_threshold_mb": 0,
 }
+# XLA's rematerialization pass, off for GPU step programs. Its memory model counts each layer's
+# weight slices of an XLA-unrolled scan (the small buckets, UNROLLED_GPU_OPTIONS) as new buffers:
+# V2-Lite 27 layers on an H200 estimated 115.6 GiB against a 73.8 GiB limit ("Can't reduce memory
+# use below ..."), and its attempt left the program with 6.35 GiB of temporaries (about 200 cuBLAS
+# workspaces of 32 MiB that buffer assignment could no longer share) where the same program without
+# the pass needs 0.078 GiB (benchmarks/probes/compile_memory.py, docs/startup.md). The engine reads
+# every program's real need from memory_analysis() (StepExecutor.program_temp_bytes) instead.
+NO_REMAT_GPU_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 # Options a different XLA may not know or may spell differently: a compile that refuses one runs
 # without it (logged once), instead of failing the engine.
 OPTIONAL_OPTIONS = ("xla_gpu_enable_command_buffer", "xla_gpu_dot_merger_threshold_mb",
                     "xla_gpu_command_buffer_scheduling_mode", "xla_gpu_graph_enable_concurrent_region",
-                    "xla_gpu_enable_while_loop_unrolling")
+                    "xla_gpu_enable_while_loop_unrolling", "xla_disable_hlo_passes")
 
 # Small scanned steps get their layer loop unrolled by XLA at compile time (after JAX traced one
 # layer, so tracing stays independent of depth). A scanned loop is launched from the host one
@@ -59,6 +67,8 @@ def step_compiler_options(backend: str, scan_layers: bool, expanded: bool = Fals
     if graph_scheduling not in GRAPH_SCHEDULING:
         raise ValueError(f"--graph-scheduling must be one of {GRAPH_SCHEDULING}, got {graph_scheduling!r}")
     options = dict(SCANNED_GPU_OPTIONS) if backend == "gpu" and scan_layers else {}
+    if backend == "gpu":
+        options.update(NO_REMAT_GPU_OPTIONS)
     if backend == "gpu" and scan_layers and unrolled:
         options.update(UNROLLED_GPU_OPTIONS)
     if backend == "gpu" and expanded:

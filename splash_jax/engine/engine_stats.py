@@ -43,6 +43,7 @@ def engine_stats(engine) -> dict:
         "compiled_programs": engine.executor.num_compiled,
         "compile_seconds": round(engine.executor.compile_seconds, 2),
         "compile": engine.executor.compile_stats.summary(),  # start-up compiles: programs, seconds, cache hits
+        "program_memory": engine.executor.memory_summary(),  # XLA temporaries per step program, the largest
         "step_intervals": engine.timeline.summary(),  # cadence by step kind (engine/step_timeline.py)
         "structured_outputs": engine.masks.summary(),
         # drafts proposed and accepted (engine/speculative.py); None with speculation off

@@ -214,6 +214,8 @@ class StepExecutor:
         self.num_compiled = 0
         self.compile_seconds = 0.0
         self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
+        self.program_temp_bytes: dict[str, int] = {}  # step program -> XLA's temporary bytes (memory_summary)
+        self._memory_lock = threading.Lock()
         backend = mesh.devices.flat[0].platform
         scanned = getattr(model.options, "scan_layers", False)
         # Buckets of at most this many tokens get XLA's unrolled layer loop (scanned GPU steps only).
@@ -470,7 +472,14 @@ class StepExecutor:
             args.append(jax.ShapeDtypeStruct((shape.rows, self.mask_words), jnp.int32, sharding=self.replicated))
         if moving:
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
-        return fn.lower(*args)
+        lowered = fn.lower(*args)
+        variant = "+".join(["full" if full else "greedy"] + ["moving"] * moving + ["expanded"] * expanded
+                           + ([f"fused-{mode}"] if mode is not None else []))
+        try:
+            lowered._splash_name = f"{layout.name}/t{bucket.tokens}r{bucket.requests}/{variant}"
+        except AttributeError:  # a Lowered that takes no attributes: the record is unnamed
+            pass
+        return lowered
 
     def unrolled(self, bucket: Bucket) -> bool:
         """Whether this bucket's step programs have their layer loop unrolled by XLA."""
@@ -480,13 +489,38 @@ class StepExecutor:
         while True:
             options = self.compiler_options[(expanded, unrolled)]
             try:
-                return compile_lowered(lowered, options, self.device_key)
+                compiled = compile_lowered(lowered, options, self.device_key)
+                self._record_memory(lowered, compiled)
+                return compiled
             except Exception as e:  # an XLA that does not take an optional option: compile without it
                 refused = [k for k in OPTIONAL_OPTIONS if k in options and k in str(e)]
                 if not refused:
                     raise
                 log.warning("XLA refused %s (%s); compiling without", refused, str(e).splitlines()[0][:200])
                 self.compiler_options[(expanded, unrolled)] = {k: v for k, v in options.items() if k not in refused}
+
+    def _record_memory(self, lowered, compiled) -> None:
+        """Keep the compiled program's temporary bytes (XLA's memory_analysis) by program name."""
+        try:
+            mem = compiled.memory_analysis()
+        except Exception:  # noqa: BLE001 - a backend without the analysis reports nothing
+            return
+        if mem is None:
+            return
+        name = getattr(lowered, "_splash_name", None) or f"program{len(self.program_temp_bytes)}"
+        with self._memory_lock:
+            self.program_temp_bytes[name] = int(mem.temp_size_in_bytes)
+
+    def memory_summary(self) -> dict:
+        """Temporaries of the compiled step programs: the largest (bytes and program) and the total
+        count, what start-up must leave free beside the weights and the pool."""
+        with self._memory_lock:
+            items = dict(self.program_temp_bytes)
+        if not items:
+            return {"programs": 0, "max_temp_bytes": 0, "max_temp_program": None}
+        name = max(items, key=items.get)
+        return {"programs": len(items), "max_temp_bytes": items[name], "max_temp_program": name,
+                "temp_bytes": items}
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""
@@ -568,6 +602,9 @@ class StepExecutor:
             "compiled %d step programs (%s) in %.1fs with %d threads (%d from the persistent cache) and %d sampler programs",
             built, ",".join(l.name for l in layouts), rec["seconds"], workers, rec["cache_hits"], samplers,
         )
+        mem = self.memory_summary()
+        if mem["programs"]:
+            log.info("largest step-program temporaries: %.3f GiB (%s)", mem["max_temp_bytes"] / 2**30, mem["max_temp_program"])
         return rec["seconds"]
 
     def compiled(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
