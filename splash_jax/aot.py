@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 
 from splash_jax.attention import dispatch
 from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import COMPILE_THREAD_STACK, StepExecutor
+from splash_jax.engine.executor import COMPILE_THREAD_STACK, StepExecutor, mode_name, program_name
 from splash_jax.engine.request import SamplingLimits
 from splash_jax.engine.sampler import SamplerWidths
 from splash_jax.kv.allocator import pages_for_tokens
@@ -213,12 +213,11 @@ class AotBuild:
         """Every program the engine would compile at start-up with this config: the steps of each
         layout x bucket x variant, the sampler programs, and (switching) the migration programs."""
         ex, out = self.executor, []
-        for lay, bucket, moving, full, expanded, mode in ex.program_keys(self.layouts, moving=self.config.enable_switching):
-            variant = "+".join(["full" if full else "greedy"] + ["moving"] * moving + ["expanded"] * expanded
-                               + ([f"fused-{mode_name(mode)}"] if mode is not None else []))
-            out.append(Program(f"step/{lay.name}/t{bucket.tokens}r{bucket.requests}/{variant}", "step",
-                               lambda k=(lay, bucket, moving, full, expanded, mode): ex.lower(*k), lay.name,
-                               bucket.tokens, bucket.requests, variant))
+        for key in ex.program_keys(self.layouts, moving=self.config.enable_switching):
+            name = program_name(*key)
+            lay, bucket = key[0], key[1]
+            out.append(Program(f"step/{name}", "step", lambda k=key: ex.lower(*k), lay.name,
+                               bucket.tokens, bucket.requests, name.rsplit("/", 1)[1]))
         for rows, mode in ex.sampler_keys(ex.program_layouts(self.layouts)):
             out.append(Program(f"sampler/r{rows}/{mode_name(mode)}", "sampler",
                                lambda k=(rows, mode): ex.lower_sampler(*k), requests=rows, variant=mode_name(mode)))
@@ -296,12 +295,6 @@ class AotBuild:
         hlo = compiled.as_text()
         rep.collectives = collective_counts(hlo)
         return rep, hlo if keep_hlo else None
-
-
-def mode_name(mode) -> str:
-    """A SamplerMode as a short name (its true fields)."""
-    fields = [f.name for f in dataclasses.fields(mode) if getattr(mode, f.name)]
-    return "+".join(fields) or "plain"
 
 
 def attention_block_lowered(cfg: ModelConfig, mesh, layout: Layout, dtype: str = "float32", impl: str = "xla",

@@ -88,6 +88,20 @@ def bucket_ladder(max_tokens: int, max_requests: int, min_tokens: int = 8) -> li
     return [Bucket(t, min(t, max_requests)) for t in sizes]
 
 
+def mode_name(mode: SamplerMode) -> str:
+    """A SamplerMode as a short name (its true fields)."""
+    fields = [f.name for f in dataclasses.fields(mode) if getattr(mode, f.name)]
+    return "+".join(fields) or "plain"
+
+
+def program_name(layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
+                 mode: SamplerMode | None = None) -> str:
+    """A step program's name from its key, e.g. "tp/t8r8/full+fused-filter" (logs, stats, AOT reports)."""
+    variant = "+".join(["full" if full else "greedy"] + ["moving"] * moving + ["expanded"] * expanded
+                       + ([f"fused-{mode_name(mode)}"] if mode is not None else []))
+    return f"{layout.name}/t{bucket.tokens}r{bucket.requests}/{variant}"
+
+
 def param_specs(state, layout: Layout):
     """PartitionSpec pytree matching the param state, from the layout's rule table."""
 
@@ -472,25 +486,21 @@ class StepExecutor:
             args.append(jax.ShapeDtypeStruct((shape.rows, self.mask_words), jnp.int32, sharding=self.replicated))
         if moving:
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
-        lowered = fn.lower(*args)
-        variant = "+".join(["full" if full else "greedy"] + ["moving"] * moving + ["expanded"] * expanded
-                           + ([f"fused-{mode}"] if mode is not None else []))
-        try:
-            lowered._splash_name = f"{layout.name}/t{bucket.tokens}r{bucket.requests}/{variant}"
-        except AttributeError:  # a Lowered that takes no attributes: the record is unnamed
-            pass
-        return lowered
+        return fn.lower(*args)
 
     def unrolled(self, bucket: Bucket) -> bool:
         """Whether this bucket's step programs have their layer loop unrolled by XLA."""
         return bucket.tokens <= self.unroll_max_tokens
 
-    def _compile(self, lowered, expanded: bool = False, unrolled: bool = False):
+    def _compile(self, lowered, expanded: bool = False, unrolled: bool = False, name: str | None = None):
+        """Compile with the step options (dropping any this XLA refuses); `name` (program_name):
+        keep the program's temporary bytes for memory_summary."""
         while True:
             options = self.compiler_options[(expanded, unrolled)]
             try:
                 compiled = compile_lowered(lowered, options, self.device_key)
-                self._record_memory(lowered, compiled)
+                if name is not None:
+                    self._record_memory(name, compiled)
                 return compiled
             except Exception as e:  # an XLA that does not take an optional option: compile without it
                 refused = [k for k in OPTIONAL_OPTIONS if k in options and k in str(e)]
@@ -499,15 +509,11 @@ class StepExecutor:
                 log.warning("XLA refused %s (%s); compiling without", refused, str(e).splitlines()[0][:200])
                 self.compiler_options[(expanded, unrolled)] = {k: v for k, v in options.items() if k not in refused}
 
-    def _record_memory(self, lowered, compiled) -> None:
+    def _record_memory(self, name: str, compiled) -> None:
         """Keep the compiled program's temporary bytes (XLA's memory_analysis) by program name."""
-        try:
-            mem = compiled.memory_analysis()
-        except Exception:  # noqa: BLE001 - a backend without the analysis reports nothing
+        mem = compiled.memory_analysis()
+        if mem is None:  # a backend without the analysis reports nothing
             return
-        if mem is None:
-            return
-        name = getattr(lowered, "_splash_name", None) or f"program{len(self.program_temp_bytes)}"
         with self._memory_lock:
             self.program_temp_bytes[name] = int(mem.temp_size_in_bytes)
 
@@ -566,7 +572,8 @@ class StepExecutor:
         ) as bar:
             if workers == 1:  # lower and compile one program at a time
                 for key in todo:
-                    program = self._build(key, lambda key=key: self._compile(self.lower(*key), key[4], self.unrolled(key[1])))
+                    program = self._build(key, lambda key=key: self._compile(self.lower(*key), key[4], self.unrolled(key[1]),
+                                                                                     program_name(*key)))
                     if program is not None:
                         self._compiled[(key[0].name, *key[1:])] = program
                     bar.update()
@@ -583,7 +590,7 @@ class StepExecutor:
                         if lowered is None:
                             bar.update()
                         else:
-                            futures[pool.submit(self._compile, lowered, key[4], self.unrolled(key[1]))] = key
+                            futures[pool.submit(self._compile, lowered, key[4], self.unrolled(key[1]), program_name(*key))] = key
                 finally:
                     threading.stack_size(previous)
                 with pool:
@@ -615,7 +622,8 @@ class StepExecutor:
         if program is None:  # only without warm-up; compiles once per bucket
             try:
                 program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded, mode),
-                                                                    expanded, self.unrolled(bucket))
+                                                                    expanded, self.unrolled(bucket),
+                                                                    program_name(layout, bucket, moving, full, expanded, mode))
             except Exception as e:
                 if expanded:  # this step fails (the engine recovers); later ones pack absorbed
                     self._refuse_expanded(layout.name, bucket, e)
