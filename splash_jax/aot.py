@@ -32,12 +32,15 @@ from jax.sharding import NamedSharding
 
 from splash_jax.attention import dispatch
 from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import COMPILE_THREAD_STACK, StepExecutor, mode_name, program_name
+from splash_jax.engine.executor import COMPILE_THREAD_STACK, StepExecutor, mode_name, program_name, sampler_name
 from splash_jax.engine.request import SamplingLimits
 from splash_jax.engine.sampler import SamplerWidths
 from splash_jax.kv.allocator import pages_for_tokens
 from splash_jax.kv.cache import KVCache
-from splash_jax.kv.capacity import bytes_per_page, extra_pages_per_device, head_sharded_weight_bytes
+from splash_jax.engine.program_memory import measure_largest
+from splash_jax.kv.capacity import (
+    PoolPlan, StartupMemoryError, bytes_per_page, extra_pages_per_device, head_sharded_weight_bytes, plan_pool,
+)
 from splash_jax.mesh.collectives import collective_counts
 from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, POOL_SPEC, Layout, get_layout
 from splash_jax.mesh.partitioner import use_partitioner
@@ -151,40 +154,39 @@ class AotBuild:
         self.extra_pages = extra_pages_per_device(head_sharded_weight_bytes(model), self.n, self.page_bytes)
         self.max_logits_rows = config.max_logits_rows
         widths = SamplerWidths.of(SamplingLimits(config.max_stop_token_ids, config.max_logit_bias), _eos_count(config, cfg))
-        ladder = (config.max_num_batched_tokens, self.max_logits_rows, config.min_token_bucket)
-        probe = StepExecutor(model, self._pool(1, 0), self.mesh, self.layout, ladder, 1, config.attention_impl,
-                             widths, config.max_num_seqs)
-        self.weight_bytes = {name: weight_bytes_per_chip(probe, get_layout(name)) for name in LAYOUT_NAMES}
-        if config.kv_memory_gb is not None:
-            budget = int(config.kv_memory_gb * GiB)
-        else:
-            budget = int((self.hbm_bytes - self.weight_bytes[self.layout.name]) * config.kv_memory_fraction)
-            if self.layout.heads_sharded:
-                budget -= self.extra_pages * self.page_bytes
-        per_device = budget // self.page_bytes
-        if config.max_pages is not None:
-            per_device = min(per_device, config.max_pages)
-        self.pool_fits = per_device >= 1
-        if not self.pool_fits:
-            log.warning("the weights leave no KV page on a %s chip (%.2f GiB of weights, %.2f GiB of HBM): "
-                        "compiling with a 1-page pool", self.chip.name, self.weight_bytes[self.layout.name] / GiB,
-                        self.hbm_bytes / GiB)
-        self.pages_per_device = max(1, per_device)
-        self.max_model_len = min(self.max_model_len, self.pages_per_device * config.page_size)
-        self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
         switching = config.enable_switching and self.n > 1
         self.switch_chunk_pages = in_step_chunk_pages(config.switch_chunk_pages, self.n, self.page_bytes)
-        extra = self.extra_pages if self.layout.heads_sharded else 0
-        self.executor = StepExecutor(
-            model, self._pool(self.pages_per_device, extra), self.mesh, self.layout, ladder, self.pages_per_request,
-            config.attention_impl, widths, config.max_num_seqs, extra_pages_total=self.n * self.extra_pages,
+        self.layouts = [get_layout(name) for name in LAYOUT_NAMES] if config.enable_switching else [self.layout]
+        executor_args = dict(
+            ladder=(config.max_num_batched_tokens, self.max_logits_rows, config.min_token_bucket),
+            pages_per_request=pages_for_tokens(self.max_model_len, config.page_size), impl=config.attention_impl,
+            widths=widths, num_slots=config.max_num_seqs, extra_pages_total=self.n * self.extra_pages,
             move_pages=self.switch_chunk_pages if switching else 0,
             expanded_min_tokens=config.resolved_expanded_min_tokens(self.platform), graph_scheduling=config.graph_scheduling,
             unroll_max_tokens=config.unroll_max_tokens,
             step_input_memory=config.resolved_step_input_memory(self.platform),
             fused_max_tokens=config.resolved_fused_sampler_max_tokens(self.platform),
         )
-        self.layouts = [get_layout(name) for name in LAYOUT_NAMES] if config.enable_switching else [self.layout]
+        # The memory plan of Engine.__init__ (engine/pool_sizing.py) on a chip with hbm_bytes: the
+        # largest step program measured on a one-page pool, then the pool from what remains.
+        probe = StepExecutor(model, self._pool(1, 0), self.mesh, self.layout, **executor_args)
+        self.weight_bytes = {name: weight_bytes_per_chip(probe, get_layout(name)) for name in LAYOUT_NAMES}
+        extra = self.extra_pages if self.layout.heads_sharded else 0
+        with dispatch.compiling_for(self.platform):
+            self.reserve_bytes, self.reserve_program = measure_largest(probe, self.layouts, threads=1)
+        self.plan: PoolPlan | None = None
+        try:
+            self.plan = plan_pool(self.hbm_bytes, self.weight_bytes[self.layout.name], self.reserve_bytes,
+                                  self.reserve_program, self.page_bytes, kv_memory_gb=config.kv_memory_gb,
+                                  kv_memory_fraction=config.kv_memory_fraction, extra_pages=extra,
+                                  max_pages=config.max_pages, max_num_batched_tokens=config.max_num_batched_tokens)
+        except StartupMemoryError as e:
+            log.warning("%s chip: %s. Compiling with a 1-page pool", self.chip.name, e)
+        self.pool_fits = self.plan is not None
+        self.pages_per_device = self.plan.pages if self.plan else 1
+        self.max_model_len = min(self.max_model_len, self.pages_per_device * config.page_size)
+        self.pages_per_request = executor_args["pages_per_request"] = pages_for_tokens(self.max_model_len, config.page_size)
+        self.executor = StepExecutor(model, self._pool(self.pages_per_device, extra), self.mesh, self.layout, **executor_args)
         self.handoff_chunk_pages = handoff_chunk_pages(self.switch_chunk_pages, config.max_num_seqs, self.n, self.page_bytes)
         log.info("AOT build for %s (%d chips, %.1f GiB HBM each): %d base + %d extra pages of %d tokens per chip, "
                  "weights %s GiB per chip", topology, self.n, self.hbm_bytes / GiB, self.pages_per_device,
@@ -192,15 +194,10 @@ class AotBuild:
                  ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.weight_bytes.items()))
 
     def _pool(self, per_device: int, extra_per_device: int) -> KVCache:
-        cfg, sharding = self.cfg, NamedSharding(self.mesh, POOL_SPEC)
-        dtype = jnp.dtype(self.options.dtype)
-
-        def spec(pages, dim):
-            return jax.ShapeDtypeStruct((cfg.num_layers, self.n * pages, self.config.page_size, dim), dtype, sharding=sharding)
-
-        base = (spec(per_device, cfg.kv_lora_rank), spec(per_device, cfg.qk_rope_head_dim))
-        extra = (spec(extra_per_device, cfg.kv_lora_rank), spec(extra_per_device, cfg.qk_rope_head_dim)) if extra_per_device else (None, None)
-        return KVCache(*base, *extra)
+        cfg = self.cfg
+        return KVCache.abstract(cfg.num_layers, self.n * per_device, self.config.page_size, cfg.kv_lora_rank,
+                                cfg.qk_rope_head_dim, self.options.dtype, NamedSharding(self.mesh, POOL_SPEC),
+                                self.n * extra_per_device)
 
     def kv_capacity_tokens(self, layout: Layout) -> int:
         """Tokens of distinct requests the pool holds under `layout` (replicas count once)."""
@@ -219,7 +216,7 @@ class AotBuild:
             out.append(Program(f"step/{name}", "step", lambda k=key: ex.lower(*k), lay.name,
                                bucket.tokens, bucket.requests, name.rsplit("/", 1)[1]))
         for rows, mode in ex.sampler_keys(ex.program_layouts(self.layouts)):
-            out.append(Program(f"sampler/r{rows}/{mode_name(mode)}", "sampler",
+            out.append(Program(sampler_name(rows, mode), "sampler",
                                lambda k=(rows, mode): ex.lower_sampler(*k), requests=rows, variant=mode_name(mode)))
         if self.config.enable_switching and self.n > 1:
             for mig in migration_programs(self.mesh, ex, self.handoff_chunk_pages):

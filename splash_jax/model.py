@@ -294,11 +294,13 @@ class DeepseekForCausalLM(nnx.Module):
                 return nnx.merge(graphdef, jax.tree.map(lambda x: x[i - indices.start], state))
         raise IndexError(f"layer {i} of a {self.cfg.num_layers}-layer model")
 
-    def new_cache(self, num_pages: int, page_size: int, sharding=None, extra_pages: int = 0) -> KVCache:
+    def new_cache(self, num_pages: int, page_size: int, sharding=None, extra_pages: int = 0,
+                  abstract: bool = False) -> KVCache:
         """sharding: of the whole [L, P, S, D] pool arrays (mesh/layouts.POOL_SPEC on a mesh).
-        With MTP layers the pool has num_layers + num_mtp_layers layers, MTP layer j's at num_layers + j."""
+        With MTP layers the pool has num_layers + num_mtp_layers layers, MTP layer j's at num_layers + j.
+        abstract: shapes only (KVCache.abstract), nothing allocated."""
         cfg = self.cfg
-        return KVCache.zeros(
+        return (KVCache.abstract if abstract else KVCache.zeros)(
             cfg.num_layers + self.num_mtp_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
             jnp.dtype(self.options.dtype), sharding, extra_pages,
         )

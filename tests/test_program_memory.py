@@ -2,7 +2,7 @@
 memory_analysis), and GPU step programs compile without XLA's rematerialization pass."""
 
 from splash_jax.engine import Engine, EngineConfig
-from splash_jax.engine.executor import program_name
+from splash_jax.engine.executor import program_name, sampler_name
 from splash_jax.mesh.layouts import LAYOUTS
 from splash_jax.engine.compile_options import NO_REMAT_GPU_OPTIONS, OPTIONAL_OPTIONS, step_compiler_options
 
@@ -23,11 +23,14 @@ def test_stats_report_every_step_programs_temporaries_and_the_largest():
     ex = engine.executor
     mem = engine.stats()["program_memory"]
     names = {program_name(LAYOUTS[lay], *rest): (lay, *rest) for lay, *rest in ex._compiled}
-    assert mem["programs"] == len(ex._compiled) and set(mem["temp_bytes"]) == set(names)
+    samplers = {sampler_name(*key) for key in ex._samplers}
+    assert mem["programs"] == len(ex._compiled) + len(ex._samplers)
+    assert set(mem["temp_bytes"]) == set(names) | samplers
     assert mem["max_temp_bytes"] == max(mem["temp_bytes"].values()) > 0
     assert mem["temp_bytes"][mem["max_temp_program"]] == mem["max_temp_bytes"]
     # each recorded figure is what compiling that program on its own reports
-    for name in (mem["max_temp_program"], min(mem["temp_bytes"], key=mem["temp_bytes"].get)):
+    steps = {k: v for k, v in mem["temp_bytes"].items() if k in names}
+    for name in (max(steps, key=steps.get), min(steps, key=steps.get)):
         lay, *rest = names[name]
         again = ex.lower(LAYOUTS[lay], *rest).compile().memory_analysis().temp_size_in_bytes
         assert mem["temp_bytes"][name] == again

@@ -43,8 +43,8 @@ class EngineConfig:
     prefill_attention: str = "auto"
     expanded_prefill_min_tokens: int = 1024  # N above: the smallest chunk worth the expanded form
     page_size: int = 64  # tokens per KV page (a power of two; the GPU kernels want a multiple of 64)
-    kv_memory_gb: float | None = None  # per device; default: kv_memory_fraction of free memory
-    kv_memory_fraction: float = 0.8  # of each device's free memory after the weights, for the KV pool
+    kv_memory_gb: float | None = None  # per device (base segment); default: kv_memory_fraction of what is left
+    kv_memory_fraction: float = 0.9  # of what each device has left after the weights and the largest step program, for the KV pool
     max_pages: int | None = None  # cap on pages per device (tests, benchmarks)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 64  # running requests at most (largest request bucket)

@@ -47,11 +47,11 @@ from splash_jax.kv.capacity import (
     bytes_per_page,
     extra_pages_per_device,
     head_sharded_weight_bytes,
-    kv_budget_bytes,
+    check_max_model_len,
     layout_capacities,
     layout_token_capacity,
-    pages_per_device,
 )
+from splash_jax.engine.pool_sizing import confirm_plan, plan_start_up_pool
 from splash_jax.mesh.partitioner import use_partitioner
 from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, POOL_SPEC, get_layout, make_mesh, param_sharding_fn
 from splash_jax.model import RuntimeOptions
@@ -137,23 +137,39 @@ class Engine:
         self.head_sharded_bytes = head_sharded_weight_bytes(self.model)
         self.extra_pages = extra_pages_per_device(self.head_sharded_bytes, self.n, self.page_bytes)
         local = next(d for d in devices if d.process_index == jax.process_index())  # memory stats are local
-        budget = kv_budget_bytes(local, config.kv_memory_gb, config.kv_memory_fraction)
-        if config.kv_memory_gb is None and self.layout.heads_sharded:
-            budget -= self.extra_pages * self.page_bytes  # free memory already includes the freed weights
-        per_device = pages_per_device(self.pool_config, config.page_size, dtype, budget, config.max_pages)
-        per_device = distributed.agree_min("kv_pages_per_device", per_device)  # one pool shape on every host
-        pool_tokens = per_device * config.page_size
-        if self.max_model_len > pool_tokens:
-            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping", self.max_model_len, pool_tokens)
-            self.max_model_len = pool_tokens
         extra = self.extra_pages if self.layout.heads_sharded else 0
-        self.allocator = PageAllocator(self.n, per_device, config.page_size, extra)
         self.eos_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_id is not None:
             self.eos_ids.add(tokenizer.eos_id)
         self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
         k = config.speculative_k
         self.max_logits_rows = config.max_logits_rows  # fixed at start-up: set_speculative changes the config
+        self.limits = SamplingLimits(config.max_stop_token_ids, config.max_logit_bias)
+        widths = SamplerWidths.of(self.limits, len(self.eos_ids))
+        self.switch_chunk_pages = in_step_chunk_pages(config.switch_chunk_pages, self.n, self.page_bytes)
+        executor_args = dict(
+            ladder=(config.max_num_batched_tokens, self.max_logits_rows, config.min_token_bucket),
+            pages_per_request=self.pages_per_request, impl=config.attention_impl, widths=widths,
+            num_slots=config.max_num_seqs, extra_pages_total=self.n * self.extra_pages,
+            move_pages=self.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
+            expanded_min_tokens=config.resolved_expanded_min_tokens(backend),
+            graph_scheduling=config.graph_scheduling, unroll_max_tokens=config.unroll_max_tokens,
+            step_input_memory=config.resolved_step_input_memory(backend),
+            fused_max_tokens=config.resolved_fused_sampler_max_tokens(backend),
+        )
+        # Every layout's steps are compiled with switching (a switch must never compile): the
+        # memory plan measures the largest of them before the pool takes the memory.
+        layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else [self.layout]
+        per_device, self.pool_plan = plan_start_up_pool(
+            config, self.model, self.mesh, self.layout, layouts, self.pool_config, dtype, self.page_bytes, extra,
+            executor_args, local)
+        per_device = distributed.agree_min("kv_pages_per_device", per_device)  # one pool shape on every host
+        # A --max-model-len the pool cannot hold fails here; the model's own maximum is capped.
+        self.max_model_len = check_max_model_len(
+            self.max_model_len, config.max_model_len is not None and config.max_pages is None, per_device * config.page_size)
+        if pages_for_tokens(self.max_model_len, config.page_size) != self.pages_per_request:
+            self.pages_per_request = executor_args["pages_per_request"] = pages_for_tokens(self.max_model_len, config.page_size)
+        self.allocator = PageAllocator(self.n, per_device, config.page_size, extra)
         if k:
             log.info("speculative decoding: %s, %d drafts per request per step (steps run without overlap)",
                      config.speculative_method, k)
@@ -166,8 +182,6 @@ class Engine:
         )
         self.mtp_drafter = MtpDrafter(k) if mtp else None  # drafts the device computed, by request
         self.scheduler.set_speculation(self._drafter(), k)
-        self.limits = SamplingLimits(config.max_stop_token_ids, config.max_logit_bias)
-        widths = SamplerWidths.of(self.limits, len(self.eos_ids))
         self.slot_sampling = SlotSampling(config.max_num_seqs, widths, sorted(self.eos_ids))
         self._slot_request: list[Request | None] = [None] * config.max_num_seqs
         kv = self.model.new_cache(
@@ -177,18 +191,7 @@ class Engine:
             "KV pool (%s on %d devices): %d base + %d extra pages of %d tokens per device, %d tokens capacity (%.2f GiB)",
             self.layout.name, self.n, per_device, extra, config.page_size, self.kv_capacity_tokens(), kv.nbytes() / 2**30,
         )
-        self.switch_chunk_pages = in_step_chunk_pages(config.switch_chunk_pages, self.n, self.page_bytes)
-        self.executor = StepExecutor(
-            self.model, kv, self.mesh, self.layout,
-            (config.max_num_batched_tokens, self.max_logits_rows, config.min_token_bucket),
-            self.pages_per_request, config.attention_impl, widths, config.max_num_seqs,
-            extra_pages_total=self.n * self.extra_pages,
-            move_pages=self.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
-            expanded_min_tokens=config.resolved_expanded_min_tokens(backend),
-            graph_scheduling=config.graph_scheduling, unroll_max_tokens=config.unroll_max_tokens,
-            step_input_memory=config.resolved_step_input_memory(backend),
-            fused_max_tokens=config.resolved_fused_sampler_max_tokens(backend),
-        )
+        self.executor = StepExecutor(self.model, kv, self.mesh, self.layout, **executor_args)
         self.mtp = None  # MTP draft programs (engine/mtp_draft.py): one per step program, run right after it
         if mtp:
             from splash_jax.engine.mtp_draft import MtpDraftRunner
@@ -196,10 +199,10 @@ class Engine:
             self.executor.mtp_hidden = True  # the step programs also return the hidden states
             self.mtp = MtpDraftRunner(self.executor, k, config.page_size, dtype)
         if config.warmup:  # with switching, every layout's steps: a switch must never compile
-            layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else None
             self.executor.compile_all(layouts, moving=config.enable_switching, threads=config.compile_threads)
+            confirm_plan(self.pool_plan, self.executor.memory_summary())
             if self.mtp is not None:
-                self.mtp.compile_all(layouts or [self.layout])
+                self.mtp.compile_all(layouts)
         self.switcher = None
         if config.enable_switching:
             from splash_jax.switch.controller import SwitchController

@@ -48,6 +48,7 @@ from splash_jax.engine.compile_options import (  # noqa: F401  (re-exported: tes
     CONCURRENT_GRAPH_OPTIONS, EXPANDED_GPU_OPTIONS, GRAPH_SCHEDULING, OPTIONAL_OPTIONS, SCANNED_GPU_OPTIONS,
     UNROLLED_GPU_OPTIONS, step_compiler_options,
 )
+from splash_jax.engine.program_memory import ProgramMemory, slow_compile_watch
 from splash_jax.engine.penalties import PenaltyState, update_history
 from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, SamplingInputs, sample
 from splash_jax.engine.step_packer import StepShape, split_step_buffer, step_buffer, unpack_step
@@ -100,6 +101,11 @@ def program_name(layout: Layout, bucket: Bucket, moving: bool = False, full: boo
     variant = "+".join(["full" if full else "greedy"] + ["moving"] * moving + ["expanded"] * expanded
                        + ([f"fused-{mode_name(mode)}"] if mode is not None else []))
     return f"{layout.name}/t{bucket.tokens}r{bucket.requests}/{variant}"
+
+
+def sampler_name(rows: int, mode: SamplerMode) -> str:
+    """The sampler program's name in logs, memory reports and AOT reports."""
+    return f"sampler/r{rows}/{mode_name(mode)}"
 
 
 def param_specs(state, layout: Layout):
@@ -228,8 +234,7 @@ class StepExecutor:
         self.num_compiled = 0
         self.compile_seconds = 0.0
         self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
-        self.program_temp_bytes: dict[str, int] = {}  # step program -> XLA's temporary bytes (memory_summary)
-        self._memory_lock = threading.Lock()
+        self.program_memory = ProgramMemory()  # step and sampler programs -> XLA's temporary bytes (memory_summary)
         backend = mesh.devices.flat[0].platform
         scanned = getattr(model.options, "scan_layers", False)
         # Buckets of at most this many tokens get XLA's unrolled layer loop (scanned GPU steps only).
@@ -448,8 +453,15 @@ class StepExecutor:
         """The compiled sampler program for `rows` logits rows (compiled here only without warm-up)."""
         program = self._samplers.get((rows, mode))
         if program is None:
-            program = self._samplers[(rows, mode)] = compile_lowered(self.lower_sampler(rows, mode), None, self.device_key)
+            program = self._samplers[(rows, mode)] = self._compile_sampler(rows, mode)
             self.num_compiled += 1
+        return program
+
+    def _compile_sampler(self, rows: int, mode: SamplerMode):
+        name = sampler_name(rows, mode)
+        with slow_compile_watch(name):
+            program = compile_lowered(self.lower_sampler(rows, mode), None, self.device_key)
+        self.program_memory.record(name, program)
         return program
 
     def open_mask(self, rows: int) -> jax.Array:
@@ -468,7 +480,7 @@ class StepExecutor:
         todo = [key for key in self.sampler_keys(layouts) if key not in self._samplers]
         with self.compile_stats.track("samplers") as rec:
             for key in todo:
-                self._samplers[key] = compile_lowered(self.lower_sampler(*key), None, self.device_key)
+                self._samplers[key] = self._compile_sampler(*key)
                 self.open_mask(key[0])
             rec["programs"] = len(todo)
         self.num_compiled += len(todo)
@@ -494,13 +506,14 @@ class StepExecutor:
 
     def _compile(self, lowered, expanded: bool = False, unrolled: bool = False, name: str | None = None):
         """Compile with the step options (dropping any this XLA refuses); `name` (program_name):
-        keep the program's temporary bytes for memory_summary."""
+        keep the program's memory for memory_summary, and name it in the log if it compiles slowly."""
         while True:
             options = self.compiler_options[(expanded, unrolled)]
             try:
-                compiled = compile_lowered(lowered, options, self.device_key)
+                with slow_compile_watch(name or "a step program"):
+                    compiled = compile_lowered(lowered, options, self.device_key)
                 if name is not None:
-                    self._record_memory(name, compiled)
+                    self.program_memory.record(name, compiled)
                 return compiled
             except Exception as e:  # an XLA that does not take an optional option: compile without it
                 refused = [k for k in OPTIONAL_OPTIONS if k in options and k in str(e)]
@@ -509,24 +522,9 @@ class StepExecutor:
                 log.warning("XLA refused %s (%s); compiling without", refused, str(e).splitlines()[0][:200])
                 self.compiler_options[(expanded, unrolled)] = {k: v for k, v in options.items() if k not in refused}
 
-    def _record_memory(self, name: str, compiled) -> None:
-        """Keep the compiled program's temporary bytes (XLA's memory_analysis) by program name."""
-        mem = compiled.memory_analysis()
-        if mem is None:  # a backend without the analysis reports nothing
-            return
-        with self._memory_lock:
-            self.program_temp_bytes[name] = int(mem.temp_size_in_bytes)
-
     def memory_summary(self) -> dict:
-        """Temporaries of the compiled step programs: the largest (bytes and program) and the total
-        count, what start-up must leave free beside the weights and the pool."""
-        with self._memory_lock:
-            items = dict(self.program_temp_bytes)
-        if not items:
-            return {"programs": 0, "max_temp_bytes": 0, "max_temp_program": None}
-        name = max(items, key=items.get)
-        return {"programs": len(items), "max_temp_bytes": items[name], "max_temp_program": name,
-                "temp_bytes": items}
+        """Temporaries of the compiled programs (engine/program_memory.py): the largest, by name."""
+        return self.program_memory.summary()
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""

@@ -79,6 +79,16 @@ class KVCache:
             extra = cls.zeros_segment(num_layers, extra_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding)
         return cls(latent, rope, *extra)
 
+    @classmethod
+    def abstract(cls, num_layers, num_pages, page_size, kv_lora_rank, rope_dim, dtype, sharding=None, extra_pages=0):
+        """The pool's shapes only (ShapeDtypeStructs): what a program is lowered and compiled
+        against before (or without) the pool existing."""
+        def segment(pages):
+            return tuple(jax.ShapeDtypeStruct((num_layers, pages, page_size, d), jnp.dtype(dtype), sharding=sharding)
+                         for d in (kv_lora_rank, rope_dim))
+
+        return cls(*segment(num_pages), *(segment(extra_pages) if extra_pages else (None, None)))
+
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 

@@ -1,0 +1,86 @@
+"""Start-up's memory plan (engine/pool_sizing.py): the pool is what remains after the weights and
+the largest step program, measured before the pool exists; what cannot fit fails before compiling.
+CPU devices report no memory, so these tests give the engine a device memory of a set size."""
+
+import pytest
+
+from splash_jax import executable_cache
+from splash_jax.engine import Engine, EngineConfig
+from splash_jax.engine import executor as executor_module
+from splash_jax.engine import pool_sizing
+from splash_jax.engine.executor import program_name, sampler_name
+from splash_jax.kv.capacity import GiB, StartupMemoryError, check_max_model_len, plan_pool
+from splash_jax.mesh.layouts import LAYOUTS
+
+MiB = 2**20
+KW = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=8, compile_cache_dir=None)
+
+
+def fake_memory(monkeypatch, limit: int, in_use: int):
+    monkeypatch.setattr(pool_sizing, "device_memory", lambda device: (limit, in_use))
+
+
+def test_plan_divides_the_device_and_names_the_flag_when_it_cannot():
+    page = 1 * MiB
+    plan = plan_pool(10 * GiB, 4 * GiB, 1 * GiB, "p", page, kv_memory_gb=None, kv_memory_fraction=0.9, extra_pages=100)
+    assert plan.pages + plan.extra_pages == int(0.9 * 5 * GiB) // page and plan.extra_pages == 100
+    assert plan.in_use + plan.reserve + plan.pool_bytes + plan.headroom == plan.limit and plan.headroom > 0
+    assert plan_pool(10 * GiB, 4 * GiB, 1 * GiB, "p", page, kv_memory_gb=2, kv_memory_fraction=0.9).pages == 2 * 1024
+    with pytest.raises(StartupMemoryError, match=r"--kv-memory-gb 6 does not fit.*at most 5\.00"):
+        plan_pool(10 * GiB, 4 * GiB, 1 * GiB, "p", page, kv_memory_gb=6, kv_memory_fraction=0.9)
+    with pytest.raises(StartupMemoryError, match=r"tp/t8192.*--max-num-batched-tokens 8192.*Lower --max-num-batched-tokens"):
+        plan_pool(10 * GiB, 4 * GiB, 7 * GiB, "tp/t8192", page, kv_memory_gb=None, kv_memory_fraction=0.9,
+                  max_num_batched_tokens=8192)
+    with pytest.raises(StartupMemoryError, match="--max-model-len 4096 does not fit.*at most 2048"):
+        check_max_model_len(4096, True, 2048)
+    assert check_max_model_len(4096, False, 2048) == 2048 and check_max_model_len(1024, True, 2048) == 1024
+
+
+def test_pool_is_sized_from_the_largest_program_on_an_8_device_mesh(monkeypatch):
+    limit, in_use = 256 * MiB, 64 * MiB
+    fake_memory(monkeypatch, limit, in_use)
+    engine = Engine(EngineConfig(layout="dop", num_devices=8, **KW))
+    plan, ex = engine.pool_plan, engine.executor
+    assert engine.n == 8 and plan.limit == limit and plan.in_use == in_use
+    # the rule: a fraction of what remains after weights and the largest program, extra segment included
+    base_pages, extra = engine.allocator.pages_per_device, engine.allocator.extra_per_device
+    assert base_pages + extra == int(0.9 * (limit - in_use - plan.reserve)) // engine.page_bytes
+    assert in_use + plan.reserve + (base_pages + extra) * engine.page_bytes <= limit
+    assert ex.pool.nbytes() == engine.n * (base_pages + extra) * engine.page_bytes
+    # the probe (a one-page pool) measured the program the engine compiled with the real pool, and
+    # no step program the engine compiled needs more
+    steps = {program_name(LAYOUTS[lay], *rest) for lay, *rest in ex._compiled}
+    working = {k: v for k, v in ex.program_memory.working_bytes.items() if k in steps}
+    assert plan.reserve_program in working and working[plan.reserve_program] == plan.reserve
+    assert max(working.values()) == plan.reserve
+
+
+def test_a_configuration_that_cannot_fit_fails_before_compiling_its_programs(monkeypatch):
+    compiles = []
+    real = executor_module.compile_lowered
+    monkeypatch.setattr(executor_module, "compile_lowered", lambda *a: compiles.append(1) or real(*a))
+    fake_memory(monkeypatch, 64 * MiB + 4096, 64 * MiB)  # 4 KiB beside the weights
+    with pytest.raises(StartupMemoryError, match="Lower --max-num-batched-tokens"):
+        Engine(EngineConfig(num_devices=2, **KW))
+    assert len(compiles) == 1  # the probe only
+    fake_memory(monkeypatch, 256 * MiB, 64 * MiB)
+    with pytest.raises(StartupMemoryError, match="--kv-memory-gb 1 does not fit"):
+        Engine(EngineConfig(num_devices=2, kv_memory_gb=1, **KW))
+    with pytest.raises(StartupMemoryError, match="--max-model-len 100000000 does not fit"):
+        Engine(EngineConfig(num_devices=2, max_model_len=100_000_000, **KW))
+    assert len(compiles) == 2  # a context no pool could hold fails before the probe
+
+
+def test_start_up_with_several_buckets_compiles_each_program_once(monkeypatch):
+    executable_cache.clear()
+    hlos = []
+    real = executor_module.compile_lowered
+    monkeypatch.setattr(executor_module, "compile_lowered", lambda lowered, *a: hlos.append(lowered.as_text()) or real(lowered, *a))
+    fake_memory(monkeypatch, 256 * MiB, 64 * MiB)
+    engine = Engine(EngineConfig(num_devices=2, layout="tp", **KW))
+    ex = engine.executor
+    assert len(ex.buckets(ex.layout)) >= 3
+    assert len(hlos) == len(set(hlos))  # no program compiled twice
+    assert len(hlos) == 1 + len(ex._compiled) + len(ex._samplers)  # the probe, then every program once
+    assert set(ex.program_memory.temp_bytes) == (
+        {program_name(LAYOUTS[lay], *rest) for lay, *rest in ex._compiled} | {sampler_name(*k) for k in ex._samplers})
