@@ -128,6 +128,7 @@ def run(bench: TpuAotBench, config: EngineConfig) -> dict:
         full_layers=full_layers, bench=dataclasses.asdict(bench), config=dataclasses.asdict(config),
         pages_per_device=build.pages_per_device, extra_pages_per_device=build.extra_pages,
         page_bytes=build.page_bytes, hbm_bytes=build.hbm_bytes, pool_fits=build.pool_fits,
+        plan=dataclasses.asdict(build.plan) if build.plan else None,
         wall_s=time.perf_counter() - t0, failures=[r.name for r in reports if r.error],
         programs=[r.as_dict() | {"roofline_ms": 1e3 * _roofline(r, chip)} for r in reports], layouts=layouts,
     )

@@ -37,9 +37,9 @@ from splash_jax.engine.request import SamplingLimits
 from splash_jax.engine.sampler import SamplerWidths
 from splash_jax.kv.allocator import pages_for_tokens
 from splash_jax.kv.cache import KVCache
-from splash_jax.engine.program_memory import measure_largest
+from splash_jax.engine.pool_sizing import measure_and_plan
 from splash_jax.kv.capacity import (
-    PoolPlan, StartupMemoryError, bytes_per_page, extra_pages_per_device, head_sharded_weight_bytes, plan_pool,
+    PoolPlan, StartupMemoryError, bytes_per_page, extra_pages_per_device, head_sharded_weight_bytes,
 )
 from splash_jax.mesh.collectives import collective_counts
 from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, POOL_SPEC, Layout, get_layout
@@ -168,18 +168,18 @@ class AotBuild:
             fused_max_tokens=config.resolved_fused_sampler_max_tokens(self.platform),
         )
         # The memory plan of Engine.__init__ (engine/pool_sizing.py) on a chip with hbm_bytes: the
-        # largest step program measured on a one-page pool, then the pool from what remains.
-        probe = StepExecutor(model, self._pool(1, 0), self.mesh, self.layout, **executor_args)
-        self.weight_bytes = {name: weight_bytes_per_chip(probe, get_layout(name)) for name in LAYOUT_NAMES}
+        # largest programs measured on a one-page pool (on TPU once more at the planned size, as
+        # their temporaries grow with the pool), then the pool from what remains.
+        def probe(pages):
+            return StepExecutor(model, self._pool(pages, 0), self.mesh, self.layout, **executor_args)
+
+        self.weight_bytes = {name: weight_bytes_per_chip(probe(1), get_layout(name)) for name in LAYOUT_NAMES}
         extra = self.extra_pages if self.layout.heads_sharded else 0
-        with dispatch.compiling_for(self.platform):
-            self.reserve_bytes, self.reserve_program = measure_largest(probe, self.layouts, threads=1)
         self.plan: PoolPlan | None = None
         try:
-            self.plan = plan_pool(self.hbm_bytes, self.weight_bytes[self.layout.name], self.reserve_bytes,
-                                  self.reserve_program, self.page_bytes, kv_memory_gb=config.kv_memory_gb,
-                                  kv_memory_fraction=config.kv_memory_fraction, extra_pages=extra,
-                                  max_pages=config.max_pages, max_num_batched_tokens=config.max_num_batched_tokens)
+            with dispatch.compiling_for(self.platform):
+                self.plan = measure_and_plan(probe, self.layouts, 1, self.hbm_bytes, self.weight_bytes[self.layout.name],
+                                             self.page_bytes, config, extra, self.platform)
         except StartupMemoryError as e:
             log.warning("%s chip: %s. Compiling with a 1-page pool", self.chip.name, e)
         self.pool_fits = self.plan is not None

@@ -9,6 +9,7 @@ from splash_jax.engine import Engine, EngineConfig
 from splash_jax.engine import executor as executor_module
 from splash_jax.engine import pool_sizing
 from splash_jax.engine.executor import program_name, sampler_name
+from splash_jax.engine.program_memory import probe_keys
 from splash_jax.kv.capacity import GiB, StartupMemoryError, check_max_model_len, plan_pool
 from splash_jax.mesh.layouts import LAYOUTS
 
@@ -48,11 +49,11 @@ def test_pool_is_sized_from_the_largest_program_on_an_8_device_mesh(monkeypatch)
     assert in_use + plan.reserve + (base_pages + extra) * engine.page_bytes <= limit
     assert ex.pool.nbytes() == engine.n * (base_pages + extra) * engine.page_bytes
     # the probe (a one-page pool) measured the program the engine compiled with the real pool, and
-    # no step program the engine compiled needs more
-    steps = {program_name(LAYOUTS[lay], *rest) for lay, *rest in ex._compiled}
-    working = {k: v for k, v in ex.program_memory.working_bytes.items() if k in steps}
-    assert plan.reserve_program in working and working[plan.reserve_program] == plan.reserve
-    assert max(working.values()) == plan.reserve
+    # no program the engine compiled needs more
+    working = ex.program_memory.working_bytes
+    assert working[plan.reserve_program] == plan.reserve == max(working.values())
+    step = max(working[program_name(LAYOUTS[lay], *rest)] for lay, *rest in ex._compiled)
+    assert step == max(working[program_name(*key)] for key in probe_keys(ex, [ex.layout]))
 
 
 def test_a_configuration_that_cannot_fit_fails_before_compiling_its_programs(monkeypatch):
@@ -62,7 +63,7 @@ def test_a_configuration_that_cannot_fit_fails_before_compiling_its_programs(mon
     fake_memory(monkeypatch, 64 * MiB + 4096, 64 * MiB)  # 4 KiB beside the weights
     with pytest.raises(StartupMemoryError, match="Lower --max-num-batched-tokens"):
         Engine(EngineConfig(num_devices=2, **KW))
-    assert len(compiles) == 1  # the probe only
+    assert len(compiles) == 1  # the probe only (its sampler program compiles outside the executor)
     fake_memory(monkeypatch, 256 * MiB, 64 * MiB)
     with pytest.raises(StartupMemoryError, match="--kv-memory-gb 1 does not fit"):
         Engine(EngineConfig(num_devices=2, kv_memory_gb=1, **KW))
@@ -84,3 +85,26 @@ def test_start_up_with_several_buckets_compiles_each_program_once(monkeypatch):
     assert len(hlos) == 1 + len(ex._compiled) + len(ex._samplers)  # the probe, then every program once
     assert set(ex.program_memory.temp_bytes) == (
         {program_name(LAYOUTS[lay], *rest) for lay, *rest in ex._compiled} | {sampler_name(*k) for k in ex._samplers})
+
+
+def test_where_temporaries_grow_with_the_pool_the_plan_follows_them(monkeypatch):
+    """XLA:TPU's step temporaries grow with the pool (docs/tpu.md): the plan measures them on a second,
+    smaller pool (retrying smaller when the compiler runs out of memory) and leaves room at its size."""
+    page, limit, in_use = 1 * MiB, 1 * GiB, 256 * MiB
+    tried = []
+
+    def fake_measure(pages, layouts, threads):  # the probe "executor" is its page count here
+        tried.append(pages)
+        if pages > 100:
+            raise RuntimeError("RESOURCE_EXHAUSTED: CompileTimeHbmOom: Ran out of memory on HBM")
+        return {"step": 4 * MiB + pages * page // 4, "sampler": 20 * MiB}  # a quarter page per page
+
+    monkeypatch.setattr(pool_sizing, "measure_programs", fake_measure)
+    cfg = EngineConfig(kv_memory_fraction=0.9, max_num_batched_tokens=16, max_num_seqs=4)
+    plan = pool_sizing.measure_and_plan(lambda pages: pages, [], 1, limit, in_use, page, cfg, 0, "tpu")
+    assert tried[0] == 1 and tried[-1] <= 100 and len(tried) >= 3  # 1 page, then smaller until it compiles
+    step_at_plan = 4 * MiB + plan.pages * page // 4
+    assert plan.reserve >= step_at_plan and in_use + plan.reserve + plan.pool_bytes <= limit
+    assert plan.pool_bytes == pytest.approx(0.9 * (limit - in_use - plan.reserve), abs=2 * page)
+    flat = pool_sizing.measure_and_plan(lambda pages: pages, [], 1, limit, in_use, page, cfg, 0, "gpu")
+    assert flat.reserve == 20 * MiB and flat.pages > plan.pages  # GPU: one probe, the sampler is the largest

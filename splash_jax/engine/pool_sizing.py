@@ -16,7 +16,7 @@ import logging
 from jax.sharding import NamedSharding
 
 from splash_jax.engine.executor import StepExecutor, auto_compile_threads
-from splash_jax.engine.program_memory import measure_largest
+from splash_jax.engine.program_memory import measure_programs
 from splash_jax.kv.capacity import (
     CPU_DEFAULT_KV_GB, GiB, PoolPlan, check_max_model_len, device_memory, pages_per_device, plan_pool,
 )
@@ -41,15 +41,55 @@ def plan_start_up_pool(config, model, mesh, layout, layouts, pool_config, dtype,
     if config.max_model_len is not None and config.max_pages is None:  # hopeless before any compile
         check_max_model_len(config.max_model_len, True, (limit - in_use) // page_bytes * config.page_size)
     n = mesh.devices.size
-    # one base page per device (the extra segment's shape comes from executor_args, as the engine's)
-    probe_pool = model.new_cache(n, config.page_size, NamedSharding(mesh, POOL_SPEC), abstract=True)
-    probe = StepExecutor(model, probe_pool, mesh, layout, **executor_args)
-    reserve, name = measure_largest(probe, layouts, config.compile_threads or auto_compile_threads())
-    plan = plan_pool(limit, in_use, reserve, name, page_bytes, kv_memory_gb=config.kv_memory_gb,
-                     kv_memory_fraction=config.kv_memory_fraction, extra_pages=extra_pages, max_pages=config.max_pages,
-                     max_num_batched_tokens=config.max_num_batched_tokens)
+
+    def probe(pages):  # an executor that only compiles, over an abstract pool of `pages` base pages per device
+        pool = model.new_cache(n * pages, config.page_size, NamedSharding(mesh, POOL_SPEC), abstract=True)
+        return StepExecutor(model, pool, mesh, layout, **executor_args)  # extra segment: from executor_args
+
+    plan = measure_and_plan(probe, layouts, config.compile_threads or auto_compile_threads(), limit, in_use,
+                            page_bytes, config, extra_pages, device.platform)
     log.info("memory plan per device: %s", plan.describe())
     return plan.pages, plan
+
+
+def temps_follow_pool(platform: str) -> bool:
+    """Whether a step program's temporaries grow with the pool: on TPU they do (XLA:TPU holds a
+    buffer for the scanned layer group's KV write of about one layer's share of the pool,
+    docs/tpu.md); on GPU and CPU they do not (the probe's figure is the real program's:
+    docs/startup.md, tests/test_pool_sizing.py)."""
+    return platform == "tpu"
+
+
+def measure_and_plan(make_probe, layouts, threads: int, limit: int, in_use: int, page_bytes: int, config,
+                     extra_pages: int, platform: str) -> PoolPlan:
+    """The pool plan from the largest programs compiled on `make_probe(1)` (a one-page pool); where
+    temporaries follow the pool, once more on a quarter of the planned pool (the planned size itself
+    can be past what the compiler accepts: XLA:TPU refuses a program whose arguments and
+    temporaries exceed HBM), and the plan made again with the growth per page the two give."""
+    kw = dict(kv_memory_gb=config.kv_memory_gb, kv_memory_fraction=config.kv_memory_fraction, extra_pages=extra_pages,
+              max_pages=config.max_pages, max_num_batched_tokens=config.max_num_batched_tokens)
+    one = measure_programs(make_probe(1), layouts, threads)
+    name = max(one, key=one.get)
+    plan = plan_pool(limit, in_use, one[name], name, page_bytes, **kw)
+    pages = plan.pages // 4
+    while temps_follow_pool(platform) and pages >= 2:
+        try:
+            at = measure_programs(make_probe(pages), layouts, threads)
+        except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory is retried smaller
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            pages //= 4
+            continue
+        # a line a + c * pages above every program's two points
+        per_page = max(0.0, *((at[p] - one[p]) / (pages - 1) for p in at))
+        if per_page:
+            name = max(at, key=lambda p: (at[p] - one[p]) / (pages - 1))
+            fixed = max(one[p] - per_page for p in one)
+            log.info("working memory grows with the pool: %s needs %.3f GiB at 1 page, %.3f GiB at %d pages per device",
+                     name, one[name] / GiB, at[name] / GiB, pages)
+            plan = plan_pool(limit, in_use, int(fixed), name, page_bytes, reserve_per_page=per_page, **kw)
+        break
+    return plan
 
 
 def confirm_plan(plan: PoolPlan | None, summary: dict) -> None:

@@ -87,10 +87,18 @@ def probe_keys(executor, layouts) -> list[tuple]:
 
 
 def measure_largest(executor, layouts, threads: int = 1) -> tuple[int, str | None]:
-    """(working bytes, program name) of the largest of `probe_keys`, each compiled (not kept) on
+    """(working bytes, program name) of the largest of `measure_programs`."""
+    sizes = measure_programs(executor, layouts, threads)
+    name = max(sizes, key=sizes.get)
+    return sizes[name], name
+
+
+def measure_programs(executor, layouts, threads: int = 1) -> dict[str, int]:
+    """Working bytes by program name of `probe_keys` and the sampler program at the most logits
+    rows (its sort of the vocabulary can outgrow a small-budget step), each compiled (not kept) on
     `executor`, normally one over a one-page abstract pool. An expanded variant that does not build
     is measured in its plain form, which the engine will then run."""
-    from splash_jax.engine.executor import COMPILE_THREAD_STACK, program_name
+    from splash_jax.engine.executor import COMPILE_THREAD_STACK, program_name, sampler_name
 
     def lowered(key):
         try:
@@ -112,17 +120,26 @@ def measure_largest(executor, layouts, threads: int = 1) -> tuple[int, str | Non
         mem = program.memory_analysis()
         return (working_bytes(mem) if mem is not None else 0), program_name(*key)
 
+    def sampler(rows):  # the sampler program at the most logits rows, with every filter on
+        from splash_jax.engine.sampler import FULL_MODE
+        from splash_jax.executable_cache import compile_lowered
+
+        program = compile_lowered(executor.lower_sampler(rows, FULL_MODE), None, executor.device_key)
+        mem = program.memory_analysis()
+        return (working_bytes(mem) if mem is not None else 0), sampler_name(rows, FULL_MODE)
+
     t0 = time.perf_counter()
     todo = [lowered(key) for key in probe_keys(executor, layouts)]  # tracing stays in this thread
+    rows = max(executor.sampler_rows(executor.program_layouts(layouts)))
     previous = threading.stack_size(COMPILE_THREAD_STACK)  # XLA's compilers recurse deeply
     try:
-        pool = concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(todo))))
-        futures = [pool.submit(compiled, key, low) for key, low in todo]
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(todo) + 1)))
+        futures = [pool.submit(compiled, key, low) for key, low in todo] + [pool.submit(sampler, rows)]
     finally:
         threading.stack_size(previous)
     with pool:
         results = [f.result() for f in futures]
     best = max(results)
-    log.info("largest step program %s needs %.3f GiB beside its inputs (%d probe compile%s in %.1fs)",
-             best[1], best[0] / 2**30, len(todo), "" if len(todo) == 1 else "s", time.perf_counter() - t0)
-    return best
+    log.info("largest program %s needs %.3f GiB beside its inputs (%d probe compiles in %.1fs)",
+             best[1], best[0] / 2**30, len(results), time.perf_counter() - t0)
+    return {name: size for size, name in results}

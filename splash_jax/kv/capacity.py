@@ -70,30 +70,35 @@ class PoolPlan:
 
 def plan_pool(limit: int, in_use: int, reserve: int, reserve_program: str | None, page_bytes: int, *,
               kv_memory_gb: float | None, kv_memory_fraction: float, extra_pages: int = 0,
-              max_pages: int | None = None, max_num_batched_tokens: int | None = None) -> PoolPlan:
+              max_pages: int | None = None, max_num_batched_tokens: int | None = None,
+              reserve_per_page: float = 0.0) -> PoolPlan:
     """The pool of one device: `kv_memory_gb`, else `kv_memory_fraction` of what remains after what
     is in use (weights) and the largest program's working memory; the extra segment (head-sharded
     layouts, made of the attention weights they do not hold) comes out of the same remainder.
-    Raises StartupMemoryError naming the numbers and the flag when that cannot fit."""
+    `reserve_per_page`: working memory that grows with the pool (XLA:TPU, engine/pool_sizing.py),
+    on top of `reserve`. Raises StartupMemoryError naming the numbers and the flag when that
+    cannot fit."""
     remain = limit - in_use - reserve
     mbt = f" (--max-num-batched-tokens {max_num_batched_tokens})" if max_num_batched_tokens else ""
-    if remain < page_bytes * (1 + extra_pages):
+    if remain < page_bytes * (1 + extra_pages) + reserve_per_page:
         raise StartupMemoryError(
             f"no room for a KV pool: the device has {_gib(limit)} usable, {_gib(in_use)} are in use (weights) "
             f"and the largest step program ({reserve_program}) needs {_gib(reserve)} of working memory{mbt}. "
             "Lower --max-num-batched-tokens, or spread the weights over more devices (--num-devices)")
     if kv_memory_gb is not None:
         pages = int(kv_memory_gb * GiB) // page_bytes
-        fits = remain // page_bytes - extra_pages
+        fits = int((remain - extra_pages * page_bytes) // (page_bytes + reserve_per_page))
         if pages > fits:
             raise StartupMemoryError(
                 f"--kv-memory-gb {kv_memory_gb:g} does not fit: the device has {_gib(limit)} usable, weights take "
-                f"{_gib(in_use)}, the largest step program ({reserve_program}) needs {_gib(reserve)}{mbt}"
+                f"{_gib(in_use)}, the largest step program ({reserve_program}) needs "
+                f"{_gib(int(reserve + reserve_per_page * fits))}{mbt}"
                 + (f" and the extra segment {_gib(extra_pages * page_bytes)}" if extra_pages else "")
                 + f", which leaves {_gib(fits * page_bytes)} for the pool. Lower --kv-memory-gb to at most "
                 f"{fits * page_bytes / GiB:.2f} (or leave it unset for --kv-memory-fraction), or lower --max-num-batched-tokens")
-    else:
-        pages = int(remain * kv_memory_fraction) // page_bytes - extra_pages
+    else:  # (pages + extra) * page_bytes = fraction * (remain - reserve_per_page * pages)
+        f = kv_memory_fraction
+        pages = int((f * remain - extra_pages * page_bytes) // (page_bytes + f * reserve_per_page))
     if max_pages is not None:
         pages = min(pages, max_pages)
     if pages < 1:
@@ -101,7 +106,8 @@ def plan_pool(limit: int, in_use: int, reserve: int, reserve_program: str | None
             f"the KV pool gets no page of {page_bytes / 2**20:.2f} MiB: {_gib(remain)} remain after weights "
             f"({_gib(in_use)}) and the largest step program ({_gib(reserve)}{mbt}); raise --kv-memory-fraction "
             "or --kv-memory-gb, or lower --max-num-batched-tokens")
-    return PoolPlan(limit, in_use, reserve, reserve_program, int(pages), extra_pages, page_bytes)
+    return PoolPlan(limit, in_use, int(reserve + reserve_per_page * pages), reserve_program, int(pages), extra_pages,
+                    page_bytes)
 
 
 def check_max_model_len(max_model_len: int, explicit: bool, pool_tokens: int) -> int:
