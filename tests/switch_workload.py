@@ -29,7 +29,13 @@ def run_with_switches(engine, prompts, max_tokens, arrivals, switches=(), rng=No
 
 
 def settle_in(engine, layout: str) -> None:
-    """Finish or abort what an earlier test left running, then switch to `layout`."""
+    """Hand a shared engine over idle in `layout` (docs/testing.md, "Shared engines"): a switch in
+    progress cancelled, every request aborted and its last step applied, prefix caching on with an
+    empty cache, and the layout switched to; then that state is asserted. Whatever a test ran
+    before, the next one starts from here; a test that needs another state builds it from here."""
+    switcher = engine.switcher
+    if switcher is not None and switcher.active is not None:
+        switcher.active[0].cancel()
     for rid in list(engine._requests):
         engine.abort(rid)
     while engine.has_work():
@@ -38,3 +44,14 @@ def settle_in(engine, layout: str) -> None:
         h = engine.switch_layout(layout)
         while not h.done:
             engine.step()
+        assert h.state.value == "done", h.as_dict()
+        while engine.has_work():  # the handoff's source pages are freed at the next boundary
+            engine.step()
+    if not engine.config.enable_prefix_caching:
+        engine.set_prefix_caching(True)
+    engine.reset_prefix_cache()
+    stats = engine.stats()
+    assert engine.layout.name == layout and not engine.has_work() and not engine._requests
+    assert switcher is None or switcher.active is None
+    assert stats["pages_used"] == 0 and stats["prefix_cache"]["cached_pages"] == 0, stats["prefix_cache"]
+    engine.allocator.check_invariants()

@@ -108,3 +108,14 @@ def test_where_temporaries_grow_with_the_pool_the_plan_follows_them(monkeypatch)
     assert plan.pool_bytes == pytest.approx(0.9 * (limit - in_use - plan.reserve), abs=2 * page)
     flat = pool_sizing.measure_and_plan(lambda pages: pages, [], 1, limit, in_use, page, cfg, 0, "gpu")
     assert flat.reserve == 20 * MiB and flat.pages > plan.pages  # GPU: one probe, the sampler is the largest
+
+
+def test_the_server_reports_a_configuration_that_cannot_fit_and_exits(monkeypatch, caplog):
+    from serve import main as server_main
+
+    fake_memory(monkeypatch, 256 * MiB, 64 * MiB)
+    with caplog.at_level("ERROR", logger="serve"), pytest.raises(SystemExit) as exit_:
+        server_main.main(["--kv-memory-gb", "1", "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
+                          "--page-size", "8", "--compile-cache-dir", ""])
+    assert exit_.value.code == 1
+    assert "cannot start: --kv-memory-gb 1 does not fit" in caplog.text and "Lower --kv-memory-gb" in caplog.text

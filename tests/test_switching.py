@@ -166,10 +166,10 @@ def test_speculative_decoding_keeps_outputs_in_every_layout_and_across_switches(
 
 @pytest.mark.parametrize("src,dst", [("dp", "dop"), ("tp", "dop"), ("tp", "cp"), ("dop", "dp")])
 def test_switches_that_move_no_cache_finish_within_one_step(engine, src, dst):
-    if engine.layout.name != src:
-        h = engine.switch_layout(src)
-        while not h.done:
-            engine.step()
+    """With no page cached and each request's pages already where the destination wants them
+    (owner layouts keep owners; a replica or a stripe holds them), a switch copies nothing and hands
+    off at the first boundary. The cache-hit case is the next test."""
+    _settle_in(engine, src)
     for p in PROMPTS[:4]:
         engine.add_request(p, SamplingParams(max_tokens=40))
     for _ in range(6):
@@ -179,6 +179,43 @@ def test_switches_that_move_no_cache_finish_within_one_step(engine, src, dst):
     assert h.state == SwitchState.DONE and h.pages_copied == 0, h.as_dict()
     for rid in list(engine._requests):
         engine.abort(rid)
+
+
+def test_a_switch_out_of_dop_moves_the_pages_running_requests_hold_in_the_extra_segment(engine):
+    """dop -> dp drops the extra segment (the cache-hit case of the test above). State built here:
+    three prompts served one after another fill device 0's base segment with cached pages and
+    spill into its extra segment; a request then hits the second prompt's cached pages, so it holds
+    extra pages while it decodes. The switch copies those into the base segment (`pages_copied`,
+    in the handle and its plan), evicts the cached extra pages no request holds
+    (`plan["cached_pages_evicted"]`), finishes, and the request's output equals serving it in dp."""
+    _settle_in(engine, "dop")
+    alloc = engine.allocator
+    base = alloc.num_base_pages
+    rng = np.random.default_rng(5)
+    a, b, e = (rng.integers(0, 200, 250).tolist() for _ in range(3))
+    for prompt in (a, b, e):  # 31 full pages each: device 0's 40 base pages, then its extra pages
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+    assert alloc._cached[base:].sum() > 0, "no cached page in the extra segment"
+    params = SamplingParams(max_tokens=48, ignore_eos=True)  # 299 tokens: 38 pages, fits dp's 40
+    rid = engine.add_request(b + [7], params)
+    acc = {}
+    while engine._requests[rid].num_computed <= len(b) + 1:
+        accumulate(acc, engine.step())
+    held = [page for pages in engine._requests[rid].device_pages for page in pages if page >= base]
+    assert held, "the request holds no extra-segment page"
+    h = engine.switch_layout("dp")
+    while not h.done:
+        accumulate(acc, engine.step())
+    assert h.state == SwitchState.DONE and rid in engine._requests, h.as_dict()  # handed off while it ran
+    assert h.pages_copied >= len(held) and h.plan["pages_copied"] >= len(held), h.as_dict()
+    assert h.plan["cached_pages_evicted"] > 0 and h.plan["extra_segment"] == "remove", h.plan
+    assert alloc.extra_per_device == 0 and engine.layout.name == "dp"
+    while engine.has_work():
+        accumulate(acc, engine.step())
+    alloc.check_invariants()
+    got = acc[rid].token_ids
+    _settle_in(engine, "dp")
+    assert got == engine.generate([b + [7]], params)[0].token_ids
 
 
 def _live_bytes(device):
@@ -250,10 +287,7 @@ def test_source_pages_the_destination_drops_are_freed_at_the_next_boundary(engin
 
 def test_refused_when_destination_cannot_hold_requests_then_preempt(engine):
     acc = {}
-    if engine.layout.name != "dop":
-        h = engine.switch_layout("dop")
-        while not h.done:
-            engine.step()
+    _settle_in(engine, "dop")
     long = "word " * 40
     for i in range(8):  # distinct prompts: with one shared prompt its pages count once, and tp holds them
         engine.add_request(f"{i} " + long, SamplingParams(max_tokens=40))
@@ -274,10 +308,7 @@ def test_refused_when_destination_cannot_hold_requests_then_preempt(engine):
 
 
 def test_cancel_midway_keeps_source_layout(engine):
-    if engine.layout.name != "dop":
-        h = engine.switch_layout("dop")
-        while not h.done:
-            engine.step()
+    _settle_in(engine, "dop")
     free_before = [engine.allocator.num_free(d) for d in range(N)]
     for p in PROMPTS[:4]:
         engine.add_request(p, SamplingParams(max_tokens=30))
@@ -329,6 +360,7 @@ def test_page_moves_ride_inside_the_step_program(engine):
     """The migration copies are an all_to_all inside the compiled step (XLA can overlap it with the
     forward pass), not a separate program the next step waits on: during the copy phase the
     standalone mover never runs; only the handoff may use it for the last partial pages."""
+    _settle_in(engine, "tp")
     ex = engine.executor
     bucket = ex.buckets(engine.layout)[0]
     moving = ex.compiled(engine.layout, bucket, moving=True).as_text()
@@ -346,10 +378,7 @@ def test_page_moves_ride_inside_the_step_program(engine):
               if int(np.prod([int(d) for d in m.group(1).split(",") if d])) in pool_elements]
     assert not copies, f"the moving step copies the pool: {[c.group(0) for c in copies]}"
 
-    if engine.layout.name != "dop":
-        h = engine.switch_layout("dop")
-        while not h.done:
-            engine.step()
+    _settle_in(engine, "dop")
     for p in PROMPTS:
         engine.add_request(p * 3, SamplingParams(max_tokens=30))
     for _ in range(8):
@@ -394,6 +423,7 @@ def test_page_moves_ride_inside_the_step_program(engine):
 
 def test_switches_under_synchronous_scheduling_keep_outputs_identical(engine, fixed_outputs):
     """The same switching workload with overlapped scheduling off: outputs equal the fixed layout."""
+    _settle_in(engine, "tp")
     engine.set_overlap(False)
     try:
         with count_compiles() as compiles:
@@ -610,7 +640,6 @@ def shared_reference(engine):
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_prefix_caching_keeps_outputs_in_every_layout(engine, shared_reference, layout):
     _settle_in(engine, layout)
-    engine.reset_prefix_cache()
     tokens = len(engine.tokenizer.encode(SHARED[0], add_bos=True))
     with count_compiles() as compiles:
         first, _ = run_shared(engine)
@@ -642,7 +671,6 @@ def test_prefix_caching_keeps_outputs_in_every_layout(engine, shared_reference, 
 
 def test_switches_while_requests_share_cached_pages_keep_outputs_identical(engine, shared_reference):
     _settle_in(engine, "dp")
-    engine.reset_prefix_cache()
     rng = np.random.default_rng(11)
     schedule = ["tp", "cp", "dop", "tp", "dp", "dop", "cp", "dp", "tp", "dop", "dp", "cp", "tp"]
     with count_compiles() as compiles:
