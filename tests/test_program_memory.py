@@ -34,3 +34,18 @@ def test_stats_report_every_step_programs_temporaries_and_the_largest():
         lay, *rest = names[name]
         again = ex.lower(LAYOUTS[lay], *rest).compile().memory_analysis().temp_size_in_bytes
         assert mem["temp_bytes"][name] == again
+
+
+def test_a_program_compiling_past_the_limit_is_named_in_the_log_while_it_compiles(caplog):
+    import time
+
+    from splash_jax.engine.program_memory import slow_compile_watch
+
+    with caplog.at_level("WARNING", logger="splash_jax.engine.program_memory"):
+        with slow_compile_watch("tp/t16r8/greedy", after_s=0.05):
+            time.sleep(0.3)  # the warning comes while the block still runs
+            assert "still compiling tp/t16r8/greedy after" in caplog.text
+        with slow_compile_watch("tp/t32r8/greedy", after_s=5):
+            pass
+        time.sleep(0.1)
+    assert "tp/t32r8" not in caplog.text  # a compile that ends in time says nothing
