@@ -23,6 +23,7 @@ from splash_jax.distributed.config import DistributedConfig
 from splash_jax.engine.async_engine import AsyncEngine
 from splash_jax.engine.config import EngineConfig
 from splash_jax.engine.engine import Engine
+from splash_jax.kv.capacity import StartupMemoryError
 
 log = logging.getLogger("serve")
 
@@ -57,7 +58,11 @@ def main(argv: list[str] | None = None) -> None:
         if not runtime.is_leader:  # a follower serves nothing: it runs process 0's programs until stopped
             distributed.follow(Engine(engine_config), runtime)
             return
-    engine = AsyncEngine(Engine(engine_config))
+    try:
+        engine = AsyncEngine(Engine(engine_config))
+    except StartupMemoryError as e:  # the message names the numbers and the flag to change
+        log.error("cannot start: %s", e)
+        raise SystemExit(1) from None
     app = build_app(engine, server_config)
     names = ", ".join(app.state.ctx.served_model_names)
     log.info("serving %s on http://%s:%d/v1 (max_model_len %d)", names, server_config.host, server_config.port, engine.max_model_len)
