@@ -40,7 +40,7 @@ def test_plan_divides_the_device_and_names_the_flag_when_it_cannot():
 def test_pool_is_sized_from_the_largest_program_on_an_8_device_mesh(monkeypatch):
     limit, in_use = 256 * MiB, 64 * MiB
     fake_memory(monkeypatch, limit, in_use)
-    engine = Engine(EngineConfig(layout="dop", num_devices=8, **KW))
+    engine = Engine(EngineConfig(layout="tp", num_devices=8, **dict(KW, min_token_bucket=16)))  # 2 buckets
     plan, ex = engine.pool_plan, engine.executor
     assert engine.n == 8 and plan.limit == limit and plan.in_use == in_use
     # the rule: a fraction of what remains after weights and the largest program, extra segment included
