@@ -32,7 +32,9 @@ from jax.sharding import NamedSharding
 
 from splash_jax.attention import dispatch
 from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import COMPILE_THREAD_STACK, StepExecutor, mode_name, program_name, sampler_name
+from splash_jax.engine.executor import (
+    COMPILE_THREAD_STACK, StepExecutor, mode_name, program_name, sampler_name, step_executor_args,
+)
 from splash_jax.engine.request import SamplingLimits
 from splash_jax.engine.sampler import SamplerWidths
 from splash_jax.kv.allocator import pages_for_tokens
@@ -154,19 +156,11 @@ class AotBuild:
         self.extra_pages = extra_pages_per_device(head_sharded_weight_bytes(model), self.n, self.page_bytes)
         self.max_logits_rows = config.max_logits_rows
         widths = SamplerWidths.of(SamplingLimits(config.max_stop_token_ids, config.max_logit_bias), _eos_count(config, cfg))
-        switching = config.enable_switching and self.n > 1
         self.switch_chunk_pages = in_step_chunk_pages(config.switch_chunk_pages, self.n, self.page_bytes)
         self.layouts = [get_layout(name) for name in LAYOUT_NAMES] if config.enable_switching else [self.layout]
-        executor_args = dict(
-            ladder=(config.max_num_batched_tokens, self.max_logits_rows, config.min_token_bucket),
-            pages_per_request=pages_for_tokens(self.max_model_len, config.page_size), impl=config.attention_impl,
-            widths=widths, num_slots=config.max_num_seqs, extra_pages_total=self.n * self.extra_pages,
-            move_pages=self.switch_chunk_pages if switching else 0,
-            expanded_min_tokens=config.resolved_expanded_min_tokens(self.platform), graph_scheduling=config.graph_scheduling,
-            unroll_max_tokens=config.unroll_max_tokens,
-            step_input_memory=config.resolved_step_input_memory(self.platform),
-            fused_max_tokens=config.resolved_fused_sampler_max_tokens(self.platform),
-        )
+        executor_args = step_executor_args(config, self.platform, self.n,
+                                           pages_for_tokens(self.max_model_len, config.page_size), widths,
+                                           self.n * self.extra_pages, self.switch_chunk_pages)
         # The memory plan of Engine.__init__ (engine/pool_sizing.py) on a chip with hbm_bytes: the
         # largest programs measured on a one-page pool (on TPU once more at the planned size, as
         # their temporaries grow with the pool), then the pool from what remains.

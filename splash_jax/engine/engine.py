@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from splash_jax import distributed
 from splash_jax.attention.expanded import min_chunk_tokens, worth_expanding
 from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import StepExecutor
+from splash_jax.engine.executor import StepExecutor, step_executor_args
 from splash_jax.engine.engine_stats import engine_stats
 from splash_jax.engine.inflight import GrammarMasks, InFlight, collect_prompt_logprobs
 from splash_jax.engine.output_processor import OutputProcessor
@@ -147,16 +147,8 @@ class Engine:
         self.limits = SamplingLimits(config.max_stop_token_ids, config.max_logit_bias)
         widths = SamplerWidths.of(self.limits, len(self.eos_ids))
         self.switch_chunk_pages = in_step_chunk_pages(config.switch_chunk_pages, self.n, self.page_bytes)
-        executor_args = dict(
-            ladder=(config.max_num_batched_tokens, self.max_logits_rows, config.min_token_bucket),
-            pages_per_request=self.pages_per_request, impl=config.attention_impl, widths=widths,
-            num_slots=config.max_num_seqs, extra_pages_total=self.n * self.extra_pages,
-            move_pages=self.switch_chunk_pages if config.enable_switching and self.n > 1 else 0,
-            expanded_min_tokens=config.resolved_expanded_min_tokens(backend),
-            graph_scheduling=config.graph_scheduling, unroll_max_tokens=config.unroll_max_tokens,
-            step_input_memory=config.resolved_step_input_memory(backend),
-            fused_max_tokens=config.resolved_fused_sampler_max_tokens(backend),
-        )
+        executor_args = step_executor_args(config, backend, self.n, self.pages_per_request, widths,
+                                           self.n * self.extra_pages, self.switch_chunk_pages)
         # Every layout's steps are compiled with switching (a switch must never compile): the
         # memory plan measures the largest of them before the pool takes the memory.
         layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else [self.layout]
@@ -167,8 +159,7 @@ class Engine:
         # A --max-model-len the pool cannot hold fails here; the model's own maximum is capped.
         self.max_model_len = check_max_model_len(
             self.max_model_len, config.max_model_len is not None and config.max_pages is None, per_device * config.page_size)
-        if pages_for_tokens(self.max_model_len, config.page_size) != self.pages_per_request:
-            self.pages_per_request = executor_args["pages_per_request"] = pages_for_tokens(self.max_model_len, config.page_size)
+        self.pages_per_request = executor_args["pages_per_request"] = pages_for_tokens(self.max_model_len, config.page_size)
         self.allocator = PageAllocator(self.n, per_device, config.page_size, extra)
         if k:
             log.info("speculative decoding: %s, %d drafts per request per step (steps run without overlap)",
