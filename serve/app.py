@@ -16,21 +16,22 @@ from fastapi.responses import JSONResponse
 import serve.routes
 from serve.body_limit import BodyLimit
 from serve.config import ServerConfig
-from serve.context import EngineFacts, ServerContext
+from serve.context import ServerContext
 from serve.errors import error_body, install_error_handlers
 from serve.metrics import ServerMetrics
 from serve.outputs import TokenText
 from splash_jax.engine.async_engine import AsyncEngine
+from splash_jax.engine.core_client import EngineClient
 from splash_jax.paths import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
 
-def model_folder(engine: AsyncEngine) -> Path:
-    return Path(engine.engine.config.model) if engine.engine.config.model else DEFAULT_MODEL
+def model_folder(engine: AsyncEngine | EngineClient) -> Path:
+    return Path(engine.facts.model) if engine.facts.model else DEFAULT_MODEL
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None, shutdown_engine: bool = True) -> FastAPI:
+def build_app(engine: AsyncEngine | EngineClient, config: ServerConfig | None = None, shutdown_engine: bool = True) -> FastAPI:
     """The app; when the server stops (after open requests had their grace period) it also stops
     the engine loop, unless shutdown_engine is False (a notebook that keeps using the engine)."""
     config = config or ServerConfig()
@@ -54,7 +55,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, shutdown_
         model_root=str(folder),
         token_text=TokenText(engine.tokenizer),
         limits=config.limits,
-        facts=EngineFacts.of(engine),
+        facts=engine.facts,
         pool=pool,
     )
     install_error_handlers(app, on_error=lambda status: metrics.errors.labels(str(status)).inc())

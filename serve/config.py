@@ -36,6 +36,8 @@ class ServerConfig:
     log_level: str = "info"  # debug | info | warning | error
     access_log: bool = True  # one log line per HTTP request (uvicorn's access log)
     graceful_shutdown_s: int = 10  # on SIGINT/SIGTERM: how long open requests may finish
+    engine_process: bool = True  # run the engine core in its own process (off: on a thread of the server's)
+    api_server_count: int = 1  # HTTP front-end processes sharing the port, all on one engine core process
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     @classmethod
@@ -51,6 +53,10 @@ class ServerConfig:
         group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=cls.access_log, help=doc["access_log"])
         group.add_argument("--graceful-shutdown-s", type=int, default=cls.graceful_shutdown_s,
                            help=doc["graceful_shutdown_s"] + " (default: %(default)s)")
+        group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=cls.engine_process,
+                           help=doc["engine_process"])
+        group.add_argument("--api-server-count", type=int, default=cls.api_server_count,
+                           help=doc["api_server_count"] + " (default: %(default)s)")
         add_dataclass_args(parser.add_argument_group("request limits"), ServerLimits)
 
     @classmethod

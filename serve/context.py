@@ -19,6 +19,8 @@ from serve.metrics import ServerMetrics
 from serve.outputs import ChoiceAccumulator, ChoiceState, TokenText
 from serve.protocol import PromptTokensDetails, UsageInfo
 from splash_jax.engine.async_engine import AsyncEngine
+from splash_jax.engine.core_client import EngineClient
+from splash_jax.engine.request_factory import EngineFacts
 from splash_jax.engine.request import Request, RequestOutput, SamplingLimits
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -26,26 +28,8 @@ T = TypeVar("T")
 
 
 @dataclasses.dataclass
-class EngineFacts:
-    """What admission checks need to know about the engine, read once at start-up."""
-
-    vocab_size: int
-    max_model_len: int
-    sampling_limits: SamplingLimits
-
-    @classmethod
-    def of(cls, engine: AsyncEngine) -> "EngineFacts":
-        inner = engine.engine
-        model_config = getattr(inner, "model_config", None)
-        tokenizer = engine.tokenizer
-        vocab = getattr(model_config, "vocab_size", None) or (tokenizer.vocab_size if tokenizer else 2**31 - 1)
-        limits = getattr(inner, "limits", None) or SamplingLimits()
-        return cls(vocab_size=int(vocab), max_model_len=engine.max_model_len, sampling_limits=limits)
-
-
-@dataclasses.dataclass
 class ServerContext:
-    engine: AsyncEngine
+    engine: AsyncEngine | EngineClient  # the core in this process, or in its own (core_client.py)
     metrics: ServerMetrics
     served_model_names: list[str]
     model_root: str

@@ -3,8 +3,10 @@
     python -m serve.main                                   # the bundled model on 127.0.0.1:8000
     python -m serve.main --model /path/to/deepseek --port 8080 --served-model-name deepseek
 
-Every EngineConfig field is a flag too (--page-size, --max-num-seqs, ...). The engine loads the
-model and compiles every step bucket before the port opens, so /health answers once it can serve.
+Every EngineConfig field is a flag too (--page-size, --max-num-seqs, ...). The engine core runs in
+its own process (engine/core_server.py): it loads the model and compiles every step bucket before
+the port opens, so /health answers once it can serve. This process serves HTTP, tokenizes and
+detokenizes (serve/frontend.py); --api-server-count N adds front-end processes on the same port.
 Over several hosts, run the same command on each with --coordinator-address, --num-processes and
 --process-id (docs/multihost.md): process 0 serves HTTP, the others follow its command stream.
 """
@@ -13,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing.connection
+import threading
 
-import uvicorn
+import jax
 
 from serve.app import build_app
 from serve.config import ServerConfig
+from serve.frontend import ExitOnCoreDeath, listen_socket, load_tokenizer, start_front_ends, stop_front_ends, uvicorn_server
 from splash_jax import distributed
 from splash_jax.distributed.config import DistributedConfig
 from splash_jax.engine.async_engine import AsyncEngine
 from splash_jax.engine.config import EngineConfig
+from splash_jax.engine.core_client import CoreProcess, CoreStartError, EngineClient
 from splash_jax.engine.engine import Engine
 from splash_jax.kv.capacity import StartupMemoryError
 
@@ -52,6 +58,74 @@ def setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     server_config, engine_config, dist_config = parse_all_args(argv)
     setup_logging(server_config.log_level)
+    if server_config.api_server_count < 1:
+        raise SystemExit("--api-server-count must be >= 1")
+    if server_config.api_server_count > 1 and not server_config.engine_process:
+        raise SystemExit("--api-server-count > 1 needs the engine core in its own process (--engine-process)")
+    if dist_config.enabled or not server_config.engine_process:
+        return serve_in_process(server_config, engine_config, dist_config)
+    serve_with_core_process(server_config, engine_config)
+
+
+def serve_with_core_process(server_config: ServerConfig, engine_config: EngineConfig) -> None:
+    """The default: the engine core in its own process, HTTP front ends beside it (serve/frontend.py)."""
+    try:
+        core = CoreProcess.start(engine_config, server_config.log_level)
+    except CoreStartError as e:  # a StartupMemoryError's message names the numbers and the flag to change
+        log.error("cannot start: %s", e)
+        raise SystemExit(1) from None
+    jax.config.update("jax_platforms", "cpu")  # this process never needs an accelerator: the core has them
+    on_death = ExitOnCoreDeath()
+    client = EngineClient(core.address, core.facts, load_tokenizer(core.facts.model), index=0, core=core,
+                          on_core_death=on_death)
+    count = server_config.api_server_count
+    sock = listen_socket(server_config.host, server_config.port, reuse_port=count > 1)
+    others = start_front_ends(server_config, core.address, core.facts, core.pid)
+    app = build_app(client, server_config)
+    names = ", ".join(app.state.ctx.served_model_names)
+    log.info("serving %s on http://%s:%d/v1 (max_model_len %d; engine core pid %d, %d front end%s)", names,
+             server_config.host, server_config.port, client.max_model_len, core.pid, count, "s" if count > 1 else "")
+    server = on_death.server = uvicorn_server(app, server_config)
+    watch = FrontEndWatch(others, client)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        watch.stop()
+        stop_front_ends(others, server_config.graceful_shutdown_s + 5)
+        client.shutdown()  # stops the core too (already done by the app's lifespan unless start-up failed)
+    log.info("server stopped")
+    if on_death.code:
+        raise SystemExit(on_death.code)
+
+
+class FrontEndWatch:
+    """Tells the core when another front end process dies, so it aborts that one's requests."""
+
+    def __init__(self, procs: list, client: EngineClient):
+        self.procs, self.client = list(procs), client
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="splash-frontend-watch", daemon=True)
+        if self.procs:
+            self._thread.start()
+
+    def _run(self) -> None:
+        alive = {p.sentinel: (i + 1, p) for i, p in enumerate(self.procs)}
+        while alive and not self._stop.is_set():
+            for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.2):
+                index, p = alive.pop(sentinel)
+                if not self._stop.is_set():
+                    log.error("front end %d (pid %d) exited with code %s; its requests are aborted", index, p.pid,
+                              p.exitcode)
+                    self.client.report_gone(index)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def serve_in_process(server_config: ServerConfig, engine_config: EngineConfig, dist_config: DistributedConfig) -> None:
+    """The engine on a thread of the server's process (--no-engine-process; several hosts)."""
     runtime = distributed.initialize(dist_config)  # before anything touches a device
     if runtime is not None:
         engine_config = runtime.share_config(engine_config)
@@ -66,10 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(engine, server_config)
     names = ", ".join(app.state.ctx.served_model_names)
     log.info("serving %s on http://%s:%d/v1 (max_model_len %d)", names, server_config.host, server_config.port, engine.max_model_len)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=server_config.host, port=server_config.port, log_config=None, log_level=server_config.log_level,
-        access_log=server_config.access_log, timeout_graceful_shutdown=server_config.graceful_shutdown_s,
-    ))
+    server = uvicorn_server(app, server_config)
     try:
         server.run()  # returns after a graceful shutdown; on SIGINT uvicorn then re-raises KeyboardInterrupt
     except KeyboardInterrupt:

@@ -40,10 +40,10 @@ async def health(ctx: ServerContext = Depends(get_ctx)) -> dict:
 
 @router.get("/version")
 async def version(ctx: ServerContext = Depends(get_ctx)) -> VersionInfo:
-    device = ctx.engine.engine.mesh.devices.flat[0]
+    f = ctx.facts
     return VersionInfo(
-        version=getattr(splash_jax, "__version__", "0.1.0"), jax=jax.__version__, backend=device.platform,
-        device_kind=device.device_kind, num_devices=ctx.engine.engine.mesh.devices.size,
+        version=getattr(splash_jax, "__version__", "0.1.0"), jax=jax.__version__, backend=f.platform,
+        device_kind=f.device_kind, num_devices=f.num_devices,
     )
 
 
@@ -97,21 +97,15 @@ SWITCH_WAIT_S = 600.0  # `wait: true` answers after this long at most (the switc
 
 
 def _switching_available(ctx: ServerContext) -> bool:
-    engine = ctx.engine.engine
-    enabled = getattr(getattr(engine, "config", None), "enable_switching", True)
-    return bool(enabled) and callable(getattr(engine, "switch_layout", None))
+    return bool(ctx.facts.enable_switching)
 
 
 async def _layout_info(ctx: ServerContext) -> LayoutInfo:
-    stats = await ctx.engine.run_on_engine(lambda engine: engine.stats())  # fresh, not the snapshot
+    stats = await ctx.engine.utility("stats")  # fresh, not the snapshot
     return LayoutInfo(
         layout=str(stats.get("layout", "unknown")), num_switches=num_switches(stats),
         switching_available=_switching_available(ctx), switch=stats.get("switch"),
     )
-
-
-def _describe(handle) -> dict:
-    return handle.as_dict() if hasattr(handle, "as_dict") else {"state": "done"}
 
 
 @router.get("/v1/layout")
@@ -131,17 +125,15 @@ async def set_layout(body: LayoutRequest, ctx: ServerContext = Depends(get_ctx))
             501, param="layout", code="layout_switching_unavailable",
         )
 
-    def start(engine):
-        return engine.switch_layout(body.layout, preempt=True) if body.preempt else engine.switch_layout(body.layout)
-
     try:
-        handle = await ctx.engine.run_on_engine(start)
+        result = await ctx.engine.utility("switch_layout", body.layout, bool(body.preempt))
     except ValueError as e:  # unknown layout, or one this mesh cannot run
         raise APIError(str(e), 400, param="layout") from e
-    deadline = time.monotonic() + SWITCH_WAIT_S
-    while body.wait and not getattr(handle, "done", True) and ctx.engine.is_running and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)  # the engine thread advances it between steps
-    result = _describe(handle)
+    if body.wait and result.get("state") == "migrating":
+        deadline = time.monotonic() + SWITCH_WAIT_S
+        while ctx.engine.is_running and time.monotonic() < deadline and not await ctx.engine.utility("switch_done"):
+            await asyncio.sleep(0.02)  # the engine core advances it between steps
+        result = await ctx.engine.utility("last_switch") or result
     if result.get("state") == "refused":
         raise APIError(f"the switch to {body.layout!r} was refused: {result.get('reason')}", 409,
                        param="layout", code="layout_switch_refused")

@@ -110,6 +110,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def facts(self):
+        """What the front end knows of the core (EngineFacts)."""
+        return self.engine.facts
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
@@ -182,6 +187,17 @@ class AsyncEngine:
 
     async def run_on_engine(self, fn: Callable[[Engine], Any]) -> Any:
         return await asyncio.wrap_future(self.call(fn))
+
+    async def utility(self, name: str, *args) -> Any:
+        """A named core call (core_server.CALLS), as EngineClient makes it across processes."""
+        from splash_jax.engine.core_server import CALLS
+
+        if name not in CALLS:
+            raise ValueError(f"the engine core has no call {name!r}")
+        if name == "stats":
+            return await self.run_on_engine(lambda engine: {**engine.stats(), "step_errors": self.num_step_errors,
+                                                            "engine_alive": self.is_running})
+        return await self.run_on_engine(lambda engine: CALLS[name](engine, *args))
 
     def _submit(self, command) -> None:
         with self._lock:

@@ -1,622 +1,71 @@
-"""The engine: requests in, output deltas out, one `step()` at a time.
+"""The engine for notebooks and the library: the engine core plus its front end, in one process.
 
     engine = Engine(EngineConfig(model="path/to/deepseek"))
     outs = engine.generate(["Hello", "Tell me"], SamplingParams(max_tokens=32))
 
-A step is: schedule (host bookkeeping) -> pack two int32 buffers (engine/step_packer.py) ->
-dispatch one precompiled device program (forward + sampling; pool and penalty state donated).
-With overlapped scheduling (the default, as SGLang's overlap scheduler and vLLM's async
-scheduling) the engine then reads back the PREVIOUS step's tokens while this one runs on the
-device: sampled tokens feed the next step on the device, and stops apply one step late (a
-token sampled past a stop is dropped, never shown). `overlap_scheduling=False` reads back the
-step it just dispatched; both give identical outputs.
+`Engine` is an `EngineCore` (engine/engine_core.py: scheduling, device steps, switches) whose
+`step()` also runs the front end's output processing (engine/output_processor.py: text, stop
+strings, metrics) and whose `make_request` tokenizes and validates (engine/request_factory.py).
+The API server runs the same two halves in two processes (engine/core_server.py,
+engine/core_client.py); this class keeps them in one for code that steps the engine itself.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import gc
-import itertools
-import logging
-import threading
-import time
 from collections.abc import Sequence
-from pathlib import Path
 
-import jax
-import numpy as np
-from jax.sharding import NamedSharding
-
-from splash_jax import distributed
-from splash_jax.attention.expanded import min_chunk_tokens, worth_expanding
-from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import StepExecutor, step_executor_args
-from splash_jax.engine.engine_stats import engine_stats
-from splash_jax.engine.inflight import GrammarMasks, InFlight, collect_prompt_logprobs
+from splash_jax.engine.core_output import CoreOutput
+from splash_jax.engine.engine_core import EngineCore
 from splash_jax.engine.output_processor import OutputProcessor
-from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingLimits, SamplingParams, Status
-from splash_jax.engine.sampler import FULL_MODE, SamplerMode, SamplerWidths, needs_full
-from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
-from splash_jax.engine.speculative import MtpDrafter, NgramDrafter
-from splash_jax.engine.step_packer import SlotSampling, pack_step
-from splash_jax.engine.step_timeline import StepTimeline
-from splash_jax.engine.warmup import run_every_program_once
-from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
-from splash_jax.kv.capacity import (
-    bytes_per_page,
-    extra_pages_per_device,
-    head_sharded_weight_bytes,
-    check_max_model_len,
-    layout_capacities,
-    layout_token_capacity,
-)
-from splash_jax.engine.pool_sizing import confirm_plan, plan_start_up_pool
-from splash_jax.mesh.partitioner import use_partitioner
-from splash_jax.mesh.layouts import AXIS, LAYOUT_NAMES, POOL_SPEC, get_layout, make_mesh, param_sharding_fn
-from splash_jax.model import RuntimeOptions
-from splash_jax.model_config import ModelConfig
-from splash_jax.paths import DEFAULT_MODEL
-from splash_jax.switch.migration import in_step_chunk_pages
-from splash_jax.structured.masks import MaskBuilder
-from splash_jax.tokenizer import Tokenizer
-from splash_jax.weights.loader import load_model
-
-log = logging.getLogger(__name__)
+from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingParams
+from splash_jax.engine.request_factory import EngineFacts, RequestFactory
 
 
-def enable_compilation_cache(path: str | None) -> None:
-    if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-def start_host_copies(result, want_logprobs: bool) -> None:
-    """Start the device-to-host copies of what _complete reads back, at dispatch: the tokens, and
-    the logprob arrays of a step that returns logprobs (read without it, each is a transfer the
-    host waits for after the step: batch-1 decode with logprobs, docs/kernels.md)."""
-    result.tokens.copy_to_host_async()
-    if want_logprobs:
-        for x in (result.logprob, result.top_ids, result.top_logprobs):
-            x.copy_to_host_async()
-
-
-class Engine:
-    def __init__(self, config: EngineConfig | None = None, model=None, tokenizer: Tokenizer | None = None, **overrides):
-        config = config or EngineConfig()
-        for k, v in overrides.items():
-            setattr(config, k, v)
-        config.validate()
-        self.config = config
-        enable_compilation_cache(config.compile_cache_dir)
-        backend = jax.default_backend()
-        use_partitioner(config.resolved_partitioner(backend))
-        self.layout = get_layout(config.layout)
-        self.mesh = make_mesh(config.num_devices)
-        self.n = self.mesh.shape[AXIS]
-        devices = list(self.mesh.devices.flat)
-        dtype = config.resolved_dtype(backend)
-        self.page_dtype = dtype
-
-        t0 = time.perf_counter()
-        path = Path(config.model) if config.model else DEFAULT_MODEL
-        fp8_checkpoint = model is None and _checkpoint_is_fp8(path)
-        expert_format = config.resolved_expert_weights(fp8_checkpoint, backend)
-        if fp8_checkpoint and expert_format == "model":
-            log.info("FP8 checkpoint: routed experts dequantized to %s; --expert-weights fp8 keeps them in FP8 "
-                     "(half the expert memory)", dtype)
-        # The MTP layer is loaded (and its latents pooled) only for --speculative-method mtp.
-        mtp = config.speculative_method == "mtp"
-        if mtp:
-            _check_mtp(model, path)
-        options = RuntimeOptions(
-            dtype=dtype, attention_impl=config.attention_impl, scan_layers=config.scan_layers,
-            expert_format=expert_format, moe_impl=config.moe_impl, mtp=mtp,
-        )
-        self.model = model or load_model(
-            path, options, sharding_for=param_sharding_fn(self.layout, self.mesh),
-            load_format=config.load_format, seed=config.seed,
-        )
-        self.model_config = self.model.cfg
-        self.num_mtp_layers = self.model.num_mtp_layers if mtp else 0
-        if mtp and not self.num_mtp_layers:
-            raise ValueError("--speculative-method mtp needs the model built with its MTP layer "
-                             "(RuntimeOptions(mtp=True) from a checkpoint with num_nextn_predict_layers > 0)")
-        if tokenizer is None and (path / "tokenizer.json").exists():
-            tokenizer = Tokenizer(path)
-        self.tokenizer = tokenizer
-        log.info("model ready in %.1fs (%s, %s)", time.perf_counter() - t0, backend, dtype)
-
-        cfg = self.model_config
-        # The pool holds the model's layers and its MTP layers (pool layers num_layers..).
-        self.pool_config = dataclasses.replace(cfg, num_layers=cfg.num_layers + self.model.num_mtp_layers)
-        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        # The base segment is what every layout has (the budget with attention weights replicated);
-        # head-sharded layouts add an extra segment made of the weight memory they free.
-        self.page_bytes = bytes_per_page(self.pool_config, config.page_size, dtype)
-        self.head_sharded_bytes = head_sharded_weight_bytes(self.model)
-        self.extra_pages = extra_pages_per_device(self.head_sharded_bytes, self.n, self.page_bytes)
-        local = next(d for d in devices if d.process_index == jax.process_index())  # memory stats are local
-        extra = self.extra_pages if self.layout.heads_sharded else 0
-        self.eos_ids = set(cfg.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_id is not None:
-            self.eos_ids.add(tokenizer.eos_id)
-        self.pages_per_request = pages_for_tokens(self.max_model_len, config.page_size)
-        k = config.speculative_k
-        self.max_logits_rows = config.max_logits_rows  # fixed at start-up: set_speculative changes the config
-        self.limits = SamplingLimits(config.max_stop_token_ids, config.max_logit_bias)
-        widths = SamplerWidths.of(self.limits, len(self.eos_ids))
-        self.switch_chunk_pages = in_step_chunk_pages(config.switch_chunk_pages, self.n, self.page_bytes)
-        executor_args = step_executor_args(config, backend, self.n, self.pages_per_request, widths,
-                                           self.n * self.extra_pages, self.switch_chunk_pages)
-        # Every layout's steps are compiled with switching (a switch must never compile): the
-        # memory plan measures the largest of them before the pool takes the memory.
-        layouts = [get_layout(n) for n in LAYOUT_NAMES] if config.enable_switching else [self.layout]
-        per_device, self.pool_plan = plan_start_up_pool(
-            config, self.model, self.mesh, self.layout, layouts, self.pool_config, dtype, self.page_bytes, extra,
-            executor_args, local)
-        per_device = distributed.agree_min("kv_pages_per_device", per_device)  # one pool shape on every host
-        # A --max-model-len the pool cannot hold fails here; the model's own maximum is capped.
-        self.max_model_len = check_max_model_len(
-            self.max_model_len, config.max_model_len is not None and config.max_pages is None, per_device * config.page_size)
-        self.pages_per_request = executor_args["pages_per_request"] = pages_for_tokens(self.max_model_len, config.page_size)
-        self.allocator = PageAllocator(self.n, per_device, config.page_size, extra)
-        if k:
-            log.info("speculative decoding: %s, %d drafts per request per step (steps run without overlap)",
-                     config.speculative_method, k)
-        self.scheduler = Scheduler(
-            self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.layout.kv_placement,
-            self.max_model_len, self.pages_per_request, self.eos_ids, config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching,
-            balance_pages=int(config.prefix_balance_fraction * per_device),
-            max_logits_rows=self.max_logits_rows,
-        )
-        self.mtp_drafter = MtpDrafter(k) if mtp else None  # drafts the device computed, by request
-        self.scheduler.set_speculation(self._drafter(), k)
-        self.slot_sampling = SlotSampling(config.max_num_seqs, widths, sorted(self.eos_ids))
-        self._slot_request: list[Request | None] = [None] * config.max_num_seqs
-        kv = self.model.new_cache(
-            self.n * per_device, config.page_size, NamedSharding(self.mesh, POOL_SPEC), extra_pages=self.n * extra
-        )
-        log.info(
-            "KV pool (%s on %d devices): %d base + %d extra pages of %d tokens per device, %d tokens capacity (%.2f GiB)",
-            self.layout.name, self.n, per_device, extra, config.page_size, self.kv_capacity_tokens(), kv.nbytes() / 2**30,
-        )
-        self.executor = StepExecutor(self.model, kv, self.mesh, self.layout, **executor_args)
-        self.mtp = None  # MTP draft programs (engine/mtp_draft.py): one per step program, run right after it
-        if mtp:
-            from splash_jax.engine.mtp_draft import MtpDraftRunner
-
-            self.executor.mtp_hidden = True  # the step programs also return the hidden states
-            self.mtp = MtpDraftRunner(self.executor, k, config.page_size, dtype)
-        if config.warmup:  # with switching, every layout's steps: a switch must never compile
-            self.executor.compile_all(layouts, moving=config.enable_switching, threads=config.compile_threads)
-            confirm_plan(self.pool_plan, self.executor.memory_summary())
-            if self.mtp is not None:
-                self.mtp.compile_all(layouts)
-        self.switcher = None
-        if config.enable_switching:
-            from splash_jax.switch.controller import SwitchController
-
-            self.switcher = SwitchController(self, self.switch_chunk_pages, config.switch_plan_pages)  # compiles the migration programs
-        self.policy = None
-        if config.layout_policy == "auto":
-            from splash_jax.policy import TransitionAwarePolicy
-
-            self.policy = TransitionAwarePolicy(self, config.policy)
-
-        self.outputs = OutputProcessor(tokenizer)
-        self._grammars = None  # GrammarCompiler, built on the first structured request
-        self._grammar_lock = threading.Lock()
-        self.masks = MaskBuilder(cfg.vocab_size)  # host time it spent: masks.summary()
-        self.grammar_masks = GrammarMasks(self.masks)
-        self._requests: dict[str, Request] = {}
-        self._inflight: InFlight | None = None
-        self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
-        self._completed_last_call = False
-        self._ids = itertools.count()
-        self._seeds = np.random.default_rng(config.seed)
-        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
-        self._failed: list[RequestOutput] = []
-        self.num_steps = 0
-        self.num_step_failures = 0
-        # Host time of the last step() by phase, ms (switch: a switch's stale plans and cancels;
-        # handoff: the batch boundary after dispatch: a handoff, its deferred frees, the policy;
-        # wait: blocked on the device for the completed step's tokens). Cheap enough to keep
-        # always; benchmarks/switching.py reports it per step.
-        self.last_step_ms: dict[str, float] = {}
-        self._last_wait_s = 0.0
-        if config.resolved_warmup_runs(backend):  # every process runs it itself, before mirroring starts
-            self.run_every_program_once()
-        if config.resolved_gc_freeze(backend):
-            gc.collect()
-            gc.freeze()  # per process: what start-up built is never scanned again
-        distributed.attach(self)  # multi-process: process 0 streams its device calls to the others
+class Engine(EngineCore):
+    def __init__(self, config=None, model=None, tokenizer=None, **overrides):
+        super().__init__(config, model, tokenizer, **overrides)
+        self.facts = EngineFacts.of(self)
+        self.requests_in = RequestFactory(self.facts, self.tokenizer, lambda: self.grammars)
+        self.outputs = OutputProcessor(self.tokenizer)
 
     # --- requests ------------------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
                      cache_salt: str | None = None) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread).
         `cache_salt`: only requests with the same salt share prefix-cache pages (tenants)."""
-        params = params or SamplingParams()
-        params.validate(self.model_config.vocab_size, self.limits)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("the prompt is empty", "prompt")
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer; pass prompt token ids", "prompt")
-            ids = self.tokenizer.encode(prompt, add_bos=True)
-            text = prompt
-        else:
-            ids, text = [int(t) for t in prompt], None
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len} "
-                "(prompt plus at least one generated token)", "prompt",
-            )
-        rid = request_id or f"req-{next(self._ids)}"
-        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
-        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
-        return Request(rid, ids, params, prompt_text=text, sample_seed=seed, cache_salt=cache_salt or None, grammar=grammar)
-
-    @property
-    def grammars(self):
-        """The structured-output compiler (structured/grammar.py: llguidance's tables of this
-        tokenizer), built on the first structured request."""
-        from splash_jax.structured.grammar import GrammarCompiler  # llguidance: imported only when used
-
-        with self._grammar_lock:
-            if self._grammars is None:
-                if self.tokenizer is None:
-                    raise RequestError("structured outputs need the model's tokenizer (tokenizer.json)", "structured_outputs")
-                self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, self.eos_ids,
-                                                 self.config.structured_json_whitespace)
-            return self._grammars
+        self.requests_in.tokenizer = self.tokenizer  # tests swap it
+        return self.requests_in.make(prompt, params, request_id, cache_salt)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     cache_salt: str | None = None) -> str:
         request = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id, cache_salt)
-        if request.request_id in self._requests:
-            raise RequestError(f"request id {request.request_id!r} is already in use")
-        self._requests[request.request_id] = request
+        super().add_request(request)
         self.outputs.add(request)
-        self.scheduler.add(request)
         return request.request_id
 
-    def abort(self, request_id: str) -> bool:
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return False
-        self.scheduler.finish(request, "abort")
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
         self.outputs.remove(request_id)
-        return True
+        return super().abort(request_id, reason)
 
-    def has_work(self) -> bool:
-        inflight = self._inflight is not None and any(not c.request.is_finished for c in self._inflight.chunks)
-        switching = self.switcher is not None and (self.switcher.active is not None or self.switcher.has_deferred_work)
-        return self.scheduler.has_work() or inflight or bool(self._failed) or switching
+    # --- steps ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:  # type: ignore[override]
+        """One core step; the deltas of the step that completed (text, stops applied)."""
+        return self._deltas(super().step())
 
-    # --- one step ------------------------------------------------------------------------
-    def run_every_program_once(self, full_sampler: bool = True) -> int:
-        """Run each compiled program once on an all-padding step (engine/warmup.py)."""
-        return run_every_program_once(self, full_sampler)
+    def flush(self) -> list[RequestOutput]:  # type: ignore[override]
+        return self._deltas(super().flush())
 
-    def switch_layout(self, dst: str, preempt: bool = False):
-        """Start a live switch to layout `dst` (non-blocking); returns a handle with progress.
+    def set_speculative(self, method: str, num_tokens: int | None = None) -> list[RequestOutput]:  # type: ignore[override]
+        return self._deltas(super().set_speculative(method, num_tokens))
 
-        Refused (handle.state == REFUSED, handle.reason says why) when the destination cannot
-        hold the running requests, unless `preempt` lets it recompute the newest ones later.
-        """
-        if self.switcher is None:
-            raise RuntimeError("layout switching is off: build the engine with enable_switching=True")
-        get_layout(dst)
-        return self.switcher.start(dst, preempt)
+    def set_overlap(self, enabled: bool) -> list[RequestOutput]:  # type: ignore[override]
+        return self._deltas(super().set_overlap(enabled))
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule and dispatch one step; return the outputs of the step that completed."""
-        cpu0, t0 = time.thread_time(), time.perf_counter()
-        outputs = []
-        if self.switcher is not None:
-            self.switcher.before_step()  # drop finished requests' reservations; cancel
-        t1 = time.perf_counter()
-        chunks = self.scheduler.schedule().chunks
-        t2 = time.perf_counter()
-        dispatched = self._dispatch(chunks) if chunks else None
-        t3 = time.perf_counter()
-        if self.switcher is not None:
-            # Batch boundary: a finished migration hands off here, after this step (still in the
-            # source layout) is queued, so its host work runs while the device computes; the
-            # next step is the destination's first. The policy looks here too, for the same reason.
-            self.switcher.hand_off_if_ready()
-            self._consult_policy()
-        t3h = time.perf_counter()
-        if self.overlapped:
-            done, self._inflight = self._inflight, dispatched
-        else:
-            done = dispatched
-        back_to_back, self._completed_last_call = self._completed_last_call, done is not None
-        self._last_wait_s = 0.0
-        failures = self.num_step_failures
-        if done is not None and done is not dispatched:
-            outputs += self._complete(done, back_to_back)  # the previous step: its tokens advance the grammars
-        if dispatched is not None and dispatched.logits is not None and self.num_step_failures == failures:
-            # its masks fill on the grammar thread; it is sampled at the next dispatch (or at once
-            # without overlap), before the forward pass that reads its tokens
-            self.grammar_masks.start(dispatched, threaded=self.overlapped)
-        if done is not None and done is dispatched:
-            outputs += self._complete(done, back_to_back)
-        t4 = time.perf_counter()
-        self.last_step_ms = {"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
-                             "handoff": (t3h - t3) * 1e3, "wait": self._last_wait_s * 1e3,
-                             "complete": (t4 - t3h - self._last_wait_s) * 1e3}
-        self.timeline.host_time(time.thread_time() - cpu0)
-        return outputs + self._failed_now()
-
-    @property
-    def overlapped(self) -> bool:
-        """Whether steps overlap: asked for, and no speculation (drafts need every token on the host)."""
-        return self.config.overlap_scheduling and not self.config.speculative_k
-
-    def _consult_policy(self) -> None:
-        """Let the layout policy start a switch (none in progress, its interval or an arrival due)."""
-        if self.policy and self.switcher.active is None and self.policy.due(self.num_steps):
-            dst = self.policy.decide(self.num_steps)
-            if dst is not None:
-                handle = self.switcher.start(dst)
-                if handle.state.value == "refused":
-                    self.policy.switch_refused(handle.reason)
-
-    def flush(self) -> list[RequestOutput]:
-        """Read back the step in flight (if any) and return its outputs; nothing new is dispatched."""
-        done, self._inflight = self._inflight, None
-        self._completed_last_call = False
-        return (self._complete(done, back_to_back=False) if done is not None else []) + self._failed_now()
-
-    def _drafter(self):
-        c = self.config
-        if not c.speculative_k:
-            return None
-        if c.speculative_method == "mtp":
-            return self.mtp_drafter
-        return NgramDrafter(c.speculative_ngram_min, c.speculative_ngram_max)
-
-    @property
-    def _mtp_drafting(self) -> bool:
-        return self.mtp is not None and self.config.speculative_method == "mtp"
-
-    def set_speculative(self, method: str, num_tokens: int | None = None) -> list[RequestOutput]:
-        """Turn speculative decoding on ("ngram") or off ("off"), or change K, between steps
-        (returns the flushed outputs; the counters start again). Drafts use the logits rows the
-        engine was built with: max_num_seqs x (1 + K) when it started with speculation on, else
-        max_num_seqs, so a batch that fills the rows verifies fewer drafts. Nothing compiles."""
-        outputs = self.flush()
-        previous = (self.config.speculative_method, self.config.speculative_tokens)
-        self.config.speculative_method = method
-        if num_tokens is not None:
-            self.config.speculative_tokens = num_tokens
-        try:
-            self.config.validate()
-            if method == "mtp" and self.mtp is None:
-                raise ValueError("MTP drafts need the engine started with --speculative-method mtp "
-                                 "(the MTP layer and its draft programs are built at start-up)")
-            if method == "mtp" and self.config.speculative_tokens > self.mtp.k:
-                raise ValueError(f"this engine's MTP draft programs chain {self.mtp.k} drafts; "
-                                 f"--speculative-tokens {self.config.speculative_tokens} needs a restart")
-        except ValueError:
-            self.config.speculative_method, self.config.speculative_tokens = previous
-            raise
-        if self.mtp_drafter is not None:
-            self.mtp_drafter.forget()
-        self.scheduler.set_speculation(self._drafter(), self.config.speculative_k)
-        return outputs
-
-    def set_overlap(self, enabled: bool) -> list[RequestOutput]:
-        """Switch overlapped scheduling on or off between steps (returns the flushed outputs)."""
-        outputs = self.flush()
-        self.config.overlap_scheduling = enabled
-        return outputs
-
-    def _failed_now(self) -> list[RequestOutput]:
-        failed, self._failed = self._failed, []
-        return failed
-
-    def _bucket(self, chunks: list[ScheduledChunk]):
-        """The smallest bucket holding the chunks' tokens, requests and logits rows (a chunk with
-        prompt logprobs takes a row per position)."""
-        rows = sum(c.num_rows for c in chunks)
-        if self.layout.owner_rows:
-            tokens, requests = [0] * self.n, [0] * self.n
-            for c in chunks:
-                tokens[c.request.owner] += c.num_tokens
-                requests[c.request.owner] += 1
-            return self.executor.pick(max(tokens), max(max(requests), -(-rows // self.n)))
-        return self.executor.pick(sum(c.num_tokens for c in chunks), max(len(chunks), rows))
-
-    def _pack(self, chunks: list[ScheduledChunk], expand: bool = True):
-        """-> (bucket, expanded, packed). expand=False: never the expanded-prefill program."""
-        for c in chunks:  # a request that just took a slot: write its sampling row once
-            r = c.request
-            if self._slot_request[r.slot] is not r:
-                self.slot_sampling.assign(r.slot, r.params, r.sample_seed)
-                self._slot_request[r.slot] = r
-        bucket = self._bucket(chunks)
-        ex = self.executor
-        floor = min_chunk_tokens(ex.expanded_min_tokens)  # decode chunks (1 token) stop at this compare
-        expanded = expand and ex.expands(self.layout, bucket) and any(
-            c.num_tokens >= floor and worth_expanding(c.num_tokens, c.start + c.num_tokens, ex.expanded_min_tokens)
-            for c in chunks
-        )
-        shape = ex.shape(self.layout, bucket, expanded)
-        packed = pack_step(shape, chunks, self.scheduler.tables, self.slot_sampling, self.config.page_size,
-                           span_min_tokens=ex.expanded_min_tokens)
-        return bucket, expanded, packed
-
-    def _dispatch(self, chunks: list[ScheduledChunk]) -> InFlight | None:
-        try:
-            bucket, expanded, packed = self._pack(chunks)
-        except Exception as e:  # noqa: BLE001 - host-side: find the requests that cause it, fail only them
-            chunks = self._isolate(chunks, e)
-            if not chunks:
-                return None
-            bucket, expanded, packed = self._pack(chunks)
-        previous = self._inflight
-        if previous is not None and previous.logits is not None:
-            self._sample_deferred(previous)  # its tokens feed this step (its masks filled meanwhile)
-            if previous.result is None:
-                return None  # its sampling failed: _recover requeued every running request
-        move = self.switcher.step_moves() if self.switcher is not None else None
-        if expanded and move is not None:  # moving programs have no expanded variant
-            bucket, expanded, packed = self._pack(chunks, expand=False)
-        sampling = [c for c in chunks if c.samples]
-        lp_chunks = [c for c in chunks if c.lp_start >= 0]
-        constrained = any(c.request.grammar is not None for c in sampling)
-        try:
-            full = bool(lp_chunks) or any(needs_full(c.request.params) for c in chunks)
-            mode = FULL_MODE
-            if full:
-                mode = SamplerMode.serving(c.request.params for c in chunks)
-                if any(c.request.params.prompt_logprobs for c in lp_chunks):
-                    mode = dataclasses.replace(mode, top_logprobs=True)
-            # A step with grammar rows runs its forward pass now and its sampling once the host
-            # has advanced each grammar by the previous step's token (_sample_deferred).
-            out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained)
-            if self.mtp is not None:  # the MTP pass and draft chain, once the step's tokens exist
-                self.mtp.arm(bucket, expanded, packed, chunks, self.scheduler.tables, keep=self._mtp_drafting)
-                if not constrained:
-                    self.mtp.fire(out.tokens)
-        except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
-            self._recover(e, chunks)
-            return None
-        want = bool(lp_chunks) or any(c.request.params.logprobs is not None for c in sampling)
-        if not constrained:
-            start_host_copies(out, want)
-        self.scheduler.dispatched(chunks)  # the pages these chunks completed may be cached now
-        for c, row in zip(sampling, packed.rows):
-            c.request.pending_row = row
-        now = time.monotonic()
-        for c in chunks:
-            if c.request.metrics.first_scheduled is None:
-                c.request.metrics.first_scheduled = now
-        if constrained:
-            return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode)
-        return InFlight(chunks, packed.rows, out, want, packed.prompt_rows)
-
-    def _sample_deferred(self, step: InFlight) -> None:
-        """Dispatch the sampler program of a step whose forward pass went ahead of its grammar
-        masks; before the next step's forward pass, which reads its tokens."""
-        mask = self.grammar_masks.take(step)
-        logits, step.logits = step.logits, None
-        try:
-            step.result = self.executor.sample(logits, step.mode, mask)
-            if self.mtp is not None:
-                self.mtp.fire(step.result.tokens)  # its draft program, if it was armed
-        except Exception as e:  # noqa: BLE001 - the sampler failed on the device
-            self._recover(e, step.chunks)
-            return
-        start_host_copies(step.result, step.want_logprobs)
-
-    def _complete(self, step: InFlight, back_to_back: bool = False) -> list[RequestOutput]:
-        """Read back a dispatched step and apply its tokens (stops, finishes, output deltas).
-        back_to_back: the previous step() completed a step too (its interval is a cadence)."""
-        if step.logits is not None:
-            self._sample_deferred(step)
-        if step.result is None:  # its deferred sampling failed: _recover already requeued its requests
-            return []
-        try:
-            t = time.perf_counter()
-            tokens = np.asarray(step.result.tokens)
-            self._last_wait_s = time.perf_counter() - t
-            r = step.result
-            logprobs = jax.device_get((r.logprob, r.top_ids, r.top_logprobs)) if step.want_logprobs else None
-        except Exception as e:  # noqa: BLE001 - the step failed on the device
-            self._recover(e, step.chunks)
-            return []
-        self.num_steps += 1
-        self.timeline.completed(time.perf_counter(), step.chunks, back_to_back)
-        now = time.monotonic()
-        for i, first, count in step.prompt_rows:
-            collect_prompt_logprobs(step.chunks[i].request, logprobs, first, count)
-        outputs, at = [], {}  # one delta per request (a verify chunk applies several tokens)
-        for update in self.scheduler.apply_tokens(step.chunks, step.rows, tokens):
-            out, hit = self.outputs.process(update, logprobs, now)
-            if hit is not None:  # before the request's next token is applied: that one is dropped
-                update.request.stop_reason = hit
-                self.scheduler.finish(update.request, "stop")
-            if out.finished:
-                self._requests.pop(update.request.request_id, None)
-            i = at.setdefault(out.request_id, len(outputs))
-            if i == len(outputs):
-                outputs.append(out)
-            else:
-                outputs[i] = outputs[i].extend(out)
-        self._recent.append((now, sum(len(o.delta_token_ids) for o in outputs)))
-        if self.mtp is not None:
-            self._record_drafts(step)
-        return outputs
-
-    def _record_drafts(self, step: InFlight) -> None:
-        """The MTP drafts the device computed after this step: each request that sampled in it
-        continues from them in its next step (speculative.MtpDrafter)."""
-        try:
-            drafts = self.mtp.take(step.chunks)
-        except Exception as e:  # noqa: BLE001 - its draft program failed: no drafts (the next step fails and recovers)
-            log.warning("reading the MTP drafts failed (%s: %s)", type(e).__name__, e)
-            drafts = None
-        for request, d in drafts or ():
-            if not request.is_finished:
-                self.mtp_drafter.record(request, d)
-        self.mtp_drafter.prune()
-
-    def _fail(self, request: Request, message: str) -> None:
-        log.warning("request %s failed: %s", request.request_id, message)
-        self.scheduler.finish(request, "error")
-        self.outputs.remove(request.request_id)
-        self._requests.pop(request.request_id, None)
-        self._failed.append(OutputProcessor.final(request, "error", message))
-
-    def _isolate(self, chunks: list[ScheduledChunk], error: Exception) -> list[ScheduledChunk]:
-        """Packing failed: pack each request alone, fail those that still fail, keep the rest."""
-        log.warning("packing a step failed (%s: %s); isolating the requests that cause it", type(error).__name__, error)
-        good = []
-        for c in chunks:
-            try:
-                self._pack([c])
-                good.append(c)
-            except Exception as e:  # noqa: BLE001
-                self._fail(c.request, f"the request could not be run: {type(e).__name__}: {e}")
-        return good
-
-    def _recover(self, error: Exception, chunks: list[ScheduledChunk]) -> None:
-        """A device step failed, so the donated pool is lost: start from an empty pool and recompute
-        every running request (outputs unchanged). A request in two failed steps is failed."""
-        self.num_step_failures += 1
-        log.error("engine step failed on the device (%s: %s); recomputing the running requests", type(error).__name__, error)
-        self._inflight = None
-        if self.mtp is not None:
-            self.mtp.drop()
-            self.mtp_drafter.forget()
-        for c in chunks:
-            c.request.metrics.num_step_failures += 1
-            if c.request.metrics.num_step_failures >= 2 and c.request.status != Status.FINISHED:
-                self._fail(c.request, f"the engine step failed twice with this request in it: {type(error).__name__}: {error}")
-        for request in list(self.scheduler.running):
-            self.scheduler.preempt(request)
-        if self.switcher is not None and self.switcher.active is not None:
-            self.switcher.active[0].cancel()  # its plans name pages of the lost pool: start again if wanted
-        for request in self.scheduler.waiting:
-            request.num_pending, request.pending_row = 0, -1  # tokens of the lost steps are sampled again
-            request.prompt_lp_next = len(request.prompt_lps)  # and their prompt logprobs computed again
-        self._slot_request = [None] * len(self._slot_request)
-        if self.scheduler.cache is not None:
-            self.scheduler.cache.clear()  # the cached pages' contents went with the pool
-        self.executor.reset_device_state()
+    def _deltas(self, outputs: list[CoreOutput]) -> list[RequestOutput]:
+        deltas, stopped = self.outputs.process_all(outputs)
+        for request_id in stopped:  # a stop string: the core stops computing it now
+            super().abort(request_id, "stop")
+        return deltas
 
     # --- convenience ---------------------------------------------------------------------
     def generate(
@@ -645,65 +94,3 @@ class Engine:
                 if out.request_id in ids:
                     results[ids[out.request_id]].accumulate(out)
         return [results[i] for i in range(len(prompts))]
-
-    def set_prefix_caching(self, enabled: bool) -> None:
-        """Turn automatic prefix caching on or off while idle (off forgets every cached page), so
-        one engine can serve a workload both ways (benchmarks, A/B tests)."""
-        if self.scheduler.has_work() or (self.switcher is not None and self.switcher.active is not None):
-            raise RuntimeError("set_prefix_caching needs an idle engine (no request, no switch in progress)")
-        self.flush()  # a last step whose requests all finished may still be in flight
-        if self.switcher is not None:
-            self.switcher.free_deferred()  # the last handoff's source pages, due at the next boundary
-        self.scheduler.set_prefix_caching(enabled)
-        self.config.enable_prefix_caching = enabled
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached page (as vLLM's reset_prefix_cache); running requests keep theirs."""
-        cache = self.scheduler.cache
-        if cache is not None:
-            for r in self.scheduler.running:
-                cache.release(r)  # their nodes go with the tree; they cache nothing more
-            cache.clear()
-
-    def kv_capacity_tokens(self, layout_name: str | None = None) -> int:
-        """Tokens of distinct requests the pool holds under a layout (the current one by default)."""
-        layout = get_layout(layout_name) if layout_name else self.layout
-        extra = self.extra_pages if layout.heads_sharded else 0
-        return layout_token_capacity(layout.kv_placement, self.n, self.allocator.pages_per_device, extra, self.config.page_size)
-
-    def capacities(self) -> dict:
-        """Every layout's capacity on this engine's devices, known before any switch."""
-        return layout_capacities(
-            self.pool_config, self.n, self.config.page_size, self.page_dtype, self.allocator.pages_per_device,
-            self.head_sharded_bytes,
-        )
-
-    def stats(self) -> dict:
-        """Counters and gauges for dashboards and notebooks (engine/engine_stats.py)."""
-        return engine_stats(self)
-
-
-def _check_mtp(model, path: Path) -> None:
-    """--speculative-method mtp needs a checkpoint with an MTP layer: say so before loading."""
-    if model is not None:
-        cfg = model.cfg
-    else:
-        try:
-            cfg = ModelConfig.from_json(path)
-        except (OSError, ValueError):
-            return  # the loader reports a missing or bad config.json with its own error
-    if not cfg.num_mtp_layers:
-        raise ValueError(
-            f"--speculative-method mtp needs a checkpoint with a multi-token-prediction layer "
-            f"(num_nextn_predict_layers > 0 in config.json, as DeepSeek-V3/R1 ship); "
-            f"{path if model is None else 'this model'} has none: use --speculative-method ngram or off")
-    if distributed.current() is not None:
-        raise ValueError("--speculative-method mtp runs in one process for now (its draft programs are not mirrored)")
-
-
-def _checkpoint_is_fp8(path: Path) -> bool:
-    """Does the folder's config.json declare block-FP8 weights (DeepSeek-V3/R1 releases)?"""
-    try:
-        return ModelConfig.from_json(path).weight_quant is not None
-    except (OSError, ValueError):
-        return False  # the loader reports a missing or bad config.json with its own error

@@ -1,0 +1,261 @@
+"""The engine core process: a busy loop that steps the engine and talks to front ends over ZMQ.
+
+    python -m serve.main            # starts this process (CoreProcess) and serves HTTP beside it
+
+Its loop does only what must happen between two device steps: take new requests and aborts,
+step, send each front end one message with its requests' new tokens. Tokenization, text, stop
+strings and HTTP live in the front ends (engine/core_client.py, serve/), so their cost never adds
+to a step. Grammars of structured requests compile on a worker thread before the request is
+queued. The process exits when its parent dies, so a killed server leaves no orphan on the GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+import time
+
+import zmq
+
+from splash_jax.engine import core_wire as wire
+from splash_jax.engine.core_output import CoreOutput
+from splash_jax.engine.request import Request, RequestError
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.25  # how often front ends get the stats snapshot (/metrics, /health)
+PARENT_CHECK_S = 0.5
+
+
+class CoreServer:
+    """Owns an EngineCore and its sockets; run() until STOP or the parent's death."""
+
+    def __init__(self, engine, input_address: str, parent_pid: int | None = None):
+        self.engine = engine
+        self.ctx = zmq.Context(io_threads=1)
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.bind(input_address)
+        self.clients: dict[int, zmq.Socket] = {}  # front end index -> PUSH to its output address
+        self.owner: dict[str, int] = {}  # request id -> front end index
+        self.parent_pid = parent_pid
+        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="splash-core-grammar")
+        self.compiled: collections.deque = collections.deque()  # (client, request | error output) from the grammar thread
+        self.compiling = 0
+        self.stopping = False
+        self.num_step_errors = 0
+        self._stats_time = 0.0
+        self._parent_time = 0.0
+
+    # --- the loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        log.info("engine core loop started (pid %d)", os.getpid())
+        try:
+            while not self.stopping:
+                busy = self.engine.has_work()
+                self._drain(0 if busy else (1 if self.compiling else int(STATS_INTERVAL_S * 1000)))
+                self._admit_compiled()
+                if self.engine.has_work():
+                    self._step()
+                now = time.monotonic()
+                if now - self._stats_time >= STATS_INTERVAL_S:
+                    self._send_stats(now)
+                if self.parent_pid is not None and now - self._parent_time >= PARENT_CHECK_S:
+                    self._parent_time = now
+                    if os.getppid() != self.parent_pid:
+                        log.error("the server process %d is gone; the engine core exits", self.parent_pid)
+                        break
+        finally:
+            for request_id in list(self.owner):
+                self.engine.abort(request_id)
+            self._send_stats(time.monotonic())
+            self.grammar_pool.shutdown(wait=False, cancel_futures=True)
+            log.info("engine loop stopped (engine core process)")
+            self.ctx.destroy(linger=200)
+
+    def _drain(self, timeout_ms: int) -> None:
+        """Every message waiting (blocking up to timeout_ms for the first)."""
+        if timeout_ms and not self.input.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frames = self.input.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._handle(frames[0], frames[1] if len(frames) > 1 else b"")
+
+    def _handle(self, kind: bytes, payload: bytes) -> None:
+        if kind == wire.ADD:
+            client, new = wire.decode_new(payload)
+            for n in new:
+                self._add(client, n)
+        elif kind == wire.ABORT:
+            for request_id, reason in wire.decode_any(payload):
+                self.owner.pop(request_id, None)
+                self.engine.abort(request_id, reason)
+        elif kind == wire.CALL:
+            self._call(wire.decode_call(payload))
+        elif kind == wire.HELLO:
+            client, address, pid = wire.decode_any(payload)
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(address)
+            self.clients[client] = sock
+            log.info("front end %d (pid %d) connected", client, pid)
+            self._send_stats(time.monotonic())
+        elif kind == wire.GONE:
+            self._client_gone(wire.decode_any(payload))
+        elif kind == wire.STOP:
+            self.stopping = True
+
+    def _add(self, client: int, new: wire.NewRequest) -> None:
+        request = new.to_request()
+        self.owner[request.request_id] = client
+        if request.params.structured_outputs is not None:  # compile off the loop; queued once it is ready
+            self.compiling += 1
+            self.grammar_pool.submit(self._compile, client, request)
+            return
+        self._queue(client, request)
+
+    def _compile(self, client: int, request: Request) -> None:
+        try:
+            request.grammar = self.engine.grammars.matcher(request.params.structured_outputs)
+            self.compiled.append((client, request))
+        except Exception as e:  # noqa: BLE001 - the request fails, nothing else
+            self.compiled.append((client, CoreOutput(request.request_id, [], "error", error=str(e))))
+
+    def _admit_compiled(self) -> None:
+        while self.compiled:
+            client, item = self.compiled.popleft()
+            self.compiling -= 1
+            if isinstance(item, CoreOutput):
+                self.owner.pop(item.request_id, None)
+                self._send(client, [item])
+            elif item.request_id in self.owner:  # not aborted while it compiled
+                self._queue(client, item)
+
+    def _queue(self, client: int, request: Request) -> None:
+        try:
+            self.engine.add_request(request)
+        except (RequestError, ValueError) as e:
+            self.owner.pop(request.request_id, None)
+            self._send(client, [CoreOutput(request.request_id, [], "error", error=str(e))])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests in the step, keep serving
+            self.num_step_errors += 1
+            log.exception("engine step failed; failing the requests in it")
+            waiting = {r.request_id for r in self.engine.scheduler.waiting}
+            outputs = []
+            for request_id in list(self.owner):
+                if request_id not in waiting:
+                    self.engine.abort(request_id, "error")
+                    outputs.append(CoreOutput(request_id, [], "error", error=f"the engine step failed: {type(e).__name__}: {e}"))
+        self._route(outputs)
+
+    def _route(self, outputs: list[CoreOutput]) -> None:
+        by_client: dict[int, list[CoreOutput]] = {}
+        owner = self.owner
+        for out in outputs:
+            client = owner.get(out.request_id)
+            if client is None:
+                continue
+            if out.finish_reason is not None:
+                del owner[out.request_id]
+            by_client.setdefault(client, []).append(out)
+        for client, outs in by_client.items():
+            self._send(client, outs)
+
+    def _send(self, client: int, outputs: list[CoreOutput]) -> None:
+        sock = self.clients.get(client)
+        if sock is not None:
+            sock.send_multipart((wire.OUTPUTS, wire.encode(outputs)), copy=False)
+
+    def _send_stats(self, now: float) -> None:
+        self._stats_time = now
+        if not self.clients:
+            return
+        stats = {**self.engine.stats(), "step_errors": self.num_step_errors, "engine_alive": not self.stopping,
+                 "engine_pid": os.getpid()}
+        payload = wire.encode(stats)
+        for sock in self.clients.values():
+            sock.send_multipart((wire.STATS, payload), copy=False)
+
+    def _client_gone(self, client: int) -> None:
+        ids = [rid for rid, c in self.owner.items() if c == client]
+        for request_id in ids:
+            del self.owner[request_id]
+            self.engine.abort(request_id)
+        sock = self.clients.pop(client, None)
+        if sock is not None:
+            sock.close(linger=0)
+        log.warning("front end %d is gone: aborted its %d requests", client, len(ids))
+
+    # --- utility calls (named, with plain-data results) -----------------------------------
+    def _call(self, call: wire.Call) -> None:
+        try:
+            if call.name in ("set_speculative", "set_overlap"):  # they flush the step in flight: route its outputs
+                self._route(getattr(self.engine, call.name)(*call.args))
+                value = None
+            elif call.name == "stats":
+                value = {**CALLS["stats"](self.engine), "step_errors": self.num_step_errors, "engine_alive": not self.stopping}
+            elif call.name in CALLS:
+                value = CALLS[call.name](self.engine, *call.args)
+            else:
+                raise ValueError(f"the engine core has no call {call.name!r}")
+            result = wire.CallResult(call.call_id, True, value)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            result = wire.CallResult(call.call_id, False, error=str(e), error_type=type(e).__name__)
+        payload = wire.encode(result)
+        for sock in self.clients.values():  # every front end sees it; only the caller has the call id
+            sock.send_multipart((wire.RESULT, payload), copy=False)
+
+
+def _switch_done(engine) -> bool:
+    return engine.switcher is None or engine.switcher.active is None
+
+
+def _last_switch(engine) -> dict | None:
+    switcher = engine.switcher
+    return switcher.history[-1].as_dict() if switcher is not None and switcher.history else None
+
+
+# What a front end may ask the core between steps, by name (plain data in, plain data out): the
+# same table serves the in-process AsyncEngine.utility and the core process's CALL messages.
+CALLS = {
+    "stats": lambda engine: engine.stats(),
+    "switch_layout": lambda engine, dst, preempt=False: engine.switch_layout(dst, preempt).as_dict(),
+    "switch_done": _switch_done,
+    "last_switch": _last_switch,
+    "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
+    "set_prefix_caching": lambda engine, enabled: engine.set_prefix_caching(enabled),
+    "capacities": lambda engine: engine.capacities(),
+}
+
+
+def run_core_process(engine_config, input_address: str, ready, parent_pid: int, log_level: str = "info") -> None:
+    """The core process's entry point (multiprocessing, spawn): build the engine core, report
+    ready (its EngineFacts) or the start-up error through `ready`, then loop."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s core %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us with STOP
+    threading.current_thread().name = "splash-core"
+    try:
+        from splash_jax.engine.engine_core import EngineCore
+        from splash_jax.engine.request_factory import EngineFacts
+
+        engine = EngineCore(engine_config)
+        facts = EngineFacts.of(engine)
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which exits with it
+        log.exception("the engine core failed to start")
+        ready.send(("error", type(e).__name__, str(e)))
+        ready.close()
+        raise SystemExit(1) from None
+    server = CoreServer(engine, input_address, parent_pid)
+    ready.send(("ready", facts.__dict__))
+    ready.close()
+    server.run()

@@ -1,0 +1,123 @@
+"""Requests as a front end builds them: validated, tokenized, seeded, before the core sees them.
+
+`EngineFacts` is what a front end must know about the core it talks to (read once when the core
+is ready: in-process from the engine, across processes from the core's ready message);
+`RequestFactory` turns a prompt and SamplingParams into a `Request`, raising `RequestError`
+(naming the field) for anything the core could not run. Both the notebook `Engine` and the API
+server's processes use it, so a request is checked the same way whichever path it takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from splash_jax.engine.request import Request, RequestError, SamplingLimits, SamplingParams
+
+
+@dataclasses.dataclass
+class EngineFacts:
+    """What a front end needs to know about its engine core (plain data: it crosses processes)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_stop_token_ids: int
+    max_logit_bias: int
+    eos_ids: list[int]
+    model: str  # the model folder
+    platform: str = "cpu"
+    device_kind: str = "cpu"
+    num_devices: int = 1
+    layout: str = "tp"
+    enable_switching: bool = False
+    structured_json_whitespace: str = "compact"
+    seed: int = 0
+
+    @property
+    def sampling_limits(self) -> SamplingLimits:
+        return SamplingLimits(self.max_stop_token_ids, self.max_logit_bias)
+
+    @classmethod
+    def of(cls, engine) -> "EngineFacts":
+        """The facts of an EngineCore in this process."""
+        device = engine.mesh.devices.flat[0]
+        c = engine.config
+        return cls(
+            vocab_size=int(engine.model_config.vocab_size), max_model_len=int(engine.max_model_len),
+            max_stop_token_ids=engine.limits.max_stop_token_ids, max_logit_bias=engine.limits.max_logit_bias,
+            eos_ids=sorted(int(t) for t in engine.eos_ids), model=str(engine.model_path),
+            platform=device.platform, device_kind=device.device_kind, num_devices=int(engine.mesh.devices.size),
+            layout=engine.layout.name, enable_switching=bool(c.enable_switching),
+            structured_json_whitespace=c.structured_json_whitespace, seed=int(c.seed),
+        )
+
+
+class RequestFactory:
+    """Builds validated Requests (thread-safe: the server calls it from its tokenizer threads)."""
+
+    def __init__(self, facts: EngineFacts, tokenizer, grammars: Callable[[], object] | None = None):
+        """grammars: returns the GrammarCompiler that checks structured outputs (built lazily)."""
+        self.facts = facts
+        self.tokenizer = tokenizer
+        self._grammars = grammars
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(facts.seed)
+
+    def grammars(self):
+        if self._grammars is not None:
+            return self._grammars()
+        from splash_jax.structured.grammar import GrammarCompiler  # llguidance: imported only when used
+
+        with self._lock:
+            if self._compiler is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured outputs need the model's tokenizer (tokenizer.json)", "structured_outputs")
+                f = self.facts
+                self._compiler = GrammarCompiler(self.tokenizer.to_json(), f.vocab_size, f.eos_ids, f.structured_json_whitespace)
+            return self._compiler
+
+    def make(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+             cache_salt: str | None = None, with_matcher: bool = True) -> Request:
+        """Validate and tokenize. with_matcher: give the request its grammar matcher here (the
+        in-process path); across processes the core builds its own from the spec, which this
+        compiles once to check it (a schema that does not compile fails here, not in the core)."""
+        f = self.facts
+        params = params or SamplingParams()
+        params.validate(f.vocab_size, f.sampling_limits)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("the prompt is empty", "prompt")
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer; pass prompt token ids", "prompt")
+            ids = self.tokenizer.encode(prompt, add_bos=True)
+            text = prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < f.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {f.vocab_size})", "prompt")
+        if len(ids) >= f.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; the maximum model length is {f.max_model_len} "
+                "(prompt plus at least one generated token)", "prompt",
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        with self._lock:
+            seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
+        grammar = None
+        if params.structured_outputs is not None:
+            compiler = self.grammars()
+            grammar = compiler.matcher(params.structured_outputs) if with_matcher else compiler.grammar(params.structured_outputs)
+            if not with_matcher:
+                grammar = None  # checked; the core compiles its own matcher
+        return Request(rid, ids, params, prompt_text=text, sample_seed=seed, cache_salt=cache_salt or None, grammar=grammar)
