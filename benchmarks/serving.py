@@ -55,6 +55,7 @@ log = logging.getLogger("serving_bench")
 class BenchRequest:
     prompt_ids: list[int]
     output_len: int
+    kind: str = "plain"  # "json": constrained by JSON_SCHEMA; "logprobs": asks for 5 top logprobs
 
 
 @dataclasses.dataclass
@@ -82,10 +83,18 @@ def sample_requests(tokenizer: Tokenizer, args: argparse.Namespace, rng: np.rand
 
     special = {tokenizer.bos_id, tokenizer.eos_id}
     vocab = np.array([i for i in range(tokenizer.vocab_size) if i not in special])
-    return [
+    requests = [
         BenchRequest([int(t) for t in rng.choice(vocab, size=int(n))], int(m))
         for n, m in zip(lengths(args.input_len), lengths(args.output_len))
     ]
+    # --json-fraction / --logprobs-fraction of the requests, spread evenly: a constrained and a logprobs mix
+    for i, r in enumerate(requests):
+        u = (i * 0.6180339887) % 1.0
+        if u < args.json_fraction:
+            r.kind = "json"
+        elif u < args.json_fraction + args.logprobs_fraction:
+            r.kind = "logprobs"
+    return requests
 
 
 async def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> AsyncIterator[int]:
@@ -96,11 +105,21 @@ async def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> Asy
 
 
 # --- one request ---------------------------------------------------------------------------
+# A schema whose output can run long (a free string), so constrained requests decode as many steps as the others.
+JSON_SCHEMA = {"type": "object", "properties": {"notes": {"type": "string"}}, "required": ["notes"]}
+
+
 def payload(args: argparse.Namespace, model: str, request: BenchRequest, tokenizer: Tokenizer) -> dict:
     body = {
         "model": model, "max_tokens": request.output_len, "temperature": args.temperature, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
     }
+    if request.kind == "json":
+        body["structured_outputs"] = {"json": JSON_SCHEMA}
+    elif request.kind == "logprobs":
+        body["logprobs"] = 5 if args.endpoint == "completions" else True
+        if args.endpoint == "chat":
+            body["top_logprobs"] = 5
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": tokenizer.decode(request.prompt_ids)}]
     else:
@@ -293,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--range-ratio", type=float, default=0.0, help="0: fixed lengths; r: uniform in len*(1±r)")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json-fraction", type=float, default=0.0, help="share of requests constrained by a JSON schema")
+    parser.add_argument("--logprobs-fraction", type=float, default=0.0, help="share of requests asking for 5 top logprobs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600, help="per request, seconds")
     parser.add_argument("--result-dir", default=str(REPO / "benchmarks" / "results"))

@@ -64,6 +64,11 @@ class EngineStatsCollector(Collector):
         yield _gauge("splash_engine_alive", "1 while the engine loop runs", float(s.get("engine_alive", False)))
         yield self._counter("splash_engine_steps", "Engine steps run", s.get("num_steps"))
         yield self._counter("splash_engine_step_errors", "Engine steps that raised", s.get("step_errors"))
+        yield self._counter("splash_engine_core_loop_cpu_seconds", "CPU seconds of the engine core's loop thread "
+                            "(with the core in its own process)", s.get("core_loop_cpu_s"))
+        yield _gauge("splash_api_servers", "HTTP front-end processes connected to the engine core", s.get("front_ends", 1))
+        yield _gauge("splash_engine_compiles_after_ready", "Traces and compiles in the engine core since it was ready "
+                     "(0: every program was compiled at start-up)", s.get("compiles_after_ready", 0))
         yield self._counter("splash_num_preemptions", "Requests preempted (recomputed later)", s.get("num_preemptions"))
         yield self._counter("splash_layout_switches", "Attention layout switches completed", s.get("switches", s.get("num_switches")))
         cache = s.get("prefix_cache") or {}  # absent: an engine without prefix caching (zeros)

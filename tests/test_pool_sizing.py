@@ -113,9 +113,11 @@ def test_where_temporaries_grow_with_the_pool_the_plan_follows_them(monkeypatch)
 def test_the_server_reports_a_configuration_that_cannot_fit_and_exits(monkeypatch, caplog):
     from serve import main as server_main
 
+    # in-process (--no-engine-process), so the faked memory applies; a core process reports its start-up
+    # error the same way (tests/test_core_process.py)
     fake_memory(monkeypatch, 256 * MiB, 64 * MiB)
     with caplog.at_level("ERROR", logger="serve"), pytest.raises(SystemExit) as exit_:
-        server_main.main(["--kv-memory-gb", "1", "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
+        server_main.main(["--no-engine-process", "--kv-memory-gb", "1", "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
                           "--page-size", "8", "--compile-cache-dir", ""])
     assert exit_.value.code == 1
     assert "cannot start: --kv-memory-gb 1 does not fit" in caplog.text and "Lower --kv-memory-gb" in caplog.text

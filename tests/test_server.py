@@ -23,7 +23,7 @@ from splash_jax.engine import Engine, EngineConfig, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = str(REPO / ".cache" / "jax")  # the suite's compilation cache (conftest.py), shared with the server
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 640  # room for a chat prompt with a tool in its template
 ENGINE_ARGS = {
     "max_num_seqs": 32, "max_num_batched_tokens": 64, "page_size": 16, "max_pages": 512, "max_model_len": MAX_MODEL_LEN,
 }
@@ -590,3 +590,73 @@ def test_switching_layouts_under_streaming_load(switching_server):
     assert response.json()["layout"] == "tp" and back == fixed
     assert srv.metric("splash_layout_switches_total") == 2
     srv.wait_idle()
+
+
+# --- the engine core process against the in-process engine -----------------------------------
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "celsius": {"type": "integer"}},
+           "required": ["city", "celsius"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                                      "required": ["a"]}}}
+
+
+async def _mixed_set(http: httpx.AsyncClient, stop: str) -> list:
+    """One of each kind of request, in order, each answer without its ids and timestamps."""
+    long_prompt = PROMPT + " and pages of latents are shared by requests that start alike." * 3
+    cases = [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "logprobs": 3, "return_token_ids": True}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "stream": True, "return_token_ids": True,
+                             "stream_options": {"include_usage": True}}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 10, "n": 3, "temperature": 0.9, "seed": 5}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 32, "stop": [stop], "return_token_ids": True}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 32, "stop": [stop], "stream": True}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 2, "prompt_logprobs": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+                                  "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "f?"}], "max_tokens": 40,
+                                  "tools": [TOOL], "tool_choice": "required", "stream": True}),
+        ("/v1/completions", {"prompt": long_prompt, "max_tokens": 4, "return_token_ids": True}),
+        ("/v1/completions", {"prompt": long_prompt, "max_tokens": 4, "return_token_ids": True}),  # its prefix is cached
+    ]
+    answers = []
+    for path, body in cases:
+        r = await http.post(path, json={"model": "splash-tiny", "temperature": 0, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        if body.get("stream"):
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            answers.append([{k: v for k, v in e.items() if k not in ("id", "created")} for e in events])
+        else:
+            answers.append({k: v for k, v in r.json().items() if k not in ("id", "created")})
+    return answers
+
+
+def _without_tool_call_ids(answers: list) -> str:
+    return re.sub(r'"(id|call_id)": ?"(call|chatcmpl)[-_][^"]*"', "", json.dumps(answers, sort_keys=True))
+
+
+def test_the_core_process_answers_as_the_in_process_engine(server, reference_engine):
+    """The same mixed set (streamed and not, n > 1, stop strings, logprobs, prompt logprobs, a JSON
+    schema, a required tool call, a cached prefix) through `python -m serve.main` (engine core in
+    its own process) and through the app on an in-process AsyncEngine: identical answers."""
+    from serve.app import build_app
+    from serve.config import ServerConfig
+    from splash_jax.engine import AsyncEngine
+
+    stop = _stop_in(_greedy(openai.OpenAI(base_url=server.base + "/v1", api_key="x"), PROMPT, 32).choices[0].text)
+    compiles_before = server.metric("splash_engine_compiles_after_ready")
+
+    async def run(http):
+        async with http:
+            return await _mixed_set(http, stop)
+
+    core = asyncio.run(run(httpx.AsyncClient(base_url=server.base)))
+    reference_engine.reset_prefix_cache()
+    aengine = AsyncEngine(reference_engine)
+    try:
+        app = build_app(aengine, ServerConfig(served_model_name=["splash-tiny"]), shutdown_engine=False)
+        local = asyncio.run(run(httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://in-process")))
+    finally:
+        aengine.shutdown()
+    assert _without_tool_call_ids(core) == _without_tool_call_ids(local)
+    assert core[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the second long prompt hit the cache
+    assert stop not in core[3]["choices"][0]["text"] and core[3]["choices"][0]["finish_reason"] == "stop"
+    assert server.metric("splash_engine_compiles_after_ready") == compiles_before == 0

@@ -16,6 +16,7 @@ from serve.app import build_app
 from serve.config import ServerConfig, ServerLimits
 from serve.errors import describe_validation_errors
 from splash_jax.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from splash_jax.engine.request_factory import EngineFacts
 from splash_jax.engine.request import Request, RequestError, RequestOutput, SamplingParams
 
 
@@ -65,6 +66,9 @@ class FakeEngine:
         self.cached: dict[str, int] = {}  # request id -> its cached prompt tokens (from its first step)
         self.seen_prompts: set[tuple] = set()
         self.prefix_cache_stats: dict | None = None  # stats()["prefix_cache"] when set
+        self.facts = EngineFacts(vocab_size=VOCAB, max_model_len=self.max_model_len, max_stop_token_ids=16,
+                                 max_logit_bias=64, eos_ids=[2], model="", enable_switching=True)
+        self.last: FakeSwitch | None = None
 
     def make_request(self, prompt, params=None, request_id=None, cache_salt=None) -> Request:
         params = params or SamplingParams()
@@ -103,8 +107,14 @@ class FakeEngine:
             raise ValueError(f"unknown layout {dst!r}")
         if dst == "cp" and not preempt:
             return FakeSwitch(self.layout, dst, refused="the running requests do not fit")
-        self.switch = FakeSwitch(self.layout, dst)
+        self.switch = self.last = FakeSwitch(self.layout, dst)
         return self.switch
+
+    def switch_done(self) -> bool:
+        return self.switch is None
+
+    def last_switch(self) -> dict | None:
+        return self.last.as_dict() if self.last is not None else None
 
     def step(self) -> list[RequestOutput]:
         self.threads.add(threading.get_ident())

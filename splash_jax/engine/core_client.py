@@ -114,7 +114,8 @@ class CoreProcess:
             ctx = zmq.Context.instance()
             sock = ctx.socket(zmq.PUSH)
             sock.connect(self.address)
-            sock.send_multipart((wire.STOP, b""))
+            with contextlib.suppress(zmq.Again):
+                sock.send_multipart((wire.STOP, b""), flags=zmq.NOBLOCK)
             sock.close(linger=1000)
             self.process.join(timeout)
             if self.process.is_alive():
@@ -146,8 +147,10 @@ class EngineClient:
         self._closing = False
         self.ctx = zmq.Context()
         self._push = self.ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # never blocks while the core lives (NOBLOCK sends: a dead one raises)
         self._push.connect(address)
         self._pull = self.ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
         self._folder = tempfile.mkdtemp(prefix="splash-frontend-")
         out_address = f"ipc://{self._folder}/outputs"
         self._pull.bind(out_address)
@@ -190,8 +193,7 @@ class EngineClient:
             for r in requests:
                 self._streams[r.request_id] = stream
                 self.outputs.add(r)
-            self._push.send_multipart((wire.ADD, wire.encode((self.index, [wire.NewRequest.of(r) for r in requests]))),
-                                      copy=False)
+            self._push_locked(wire.ADD, wire.encode((self.index, [wire.NewRequest.of(r) for r in requests])))
         try:
             while pending:
                 item = await stream.queue.get()
@@ -217,7 +219,8 @@ class EngineClient:
                 if deliver and stream is not None:
                     self._post(stream.loop, [(stream, _aborted_output(request_id, stream.last.get(request_id)))])
             if self._dead is None and not self._closing:
-                self._push.send_multipart((wire.ABORT, wire.encode([(r, reason) for r in request_ids])))
+                with contextlib.suppress(EngineDeadError):  # a dead core has nothing left to abort
+                    self._push_locked(wire.ABORT, wire.encode([(r, reason) for r in request_ids]))
 
     def call(self, name: str, *args) -> concurrent.futures.Future:
         """Run a named core utility (CoreServer.call_<name>) between steps; its plain-data result."""
@@ -227,7 +230,11 @@ class EngineClient:
             return future
         call_id = next(self._call_ids)
         self._calls[call_id] = future
-        self._send(wire.CALL, wire.encode(wire.Call(call_id, name, list(args))))
+        try:
+            self._send(wire.CALL, wire.encode(wire.Call(call_id, name, list(args))))
+        except EngineDeadError as e:
+            self._calls.pop(call_id, None)
+            future.set_exception(e)
         return future
 
     def report_gone(self, index: int) -> None:
@@ -241,7 +248,13 @@ class EngineClient:
 
     def _send(self, kind: bytes, payload: bytes) -> None:
         with self._lock:
-            self._push.send_multipart((kind, payload), copy=False)
+            self._push_locked(kind, payload)
+
+    def _push_locked(self, kind: bytes, payload: bytes) -> None:
+        try:
+            self._push.send_multipart((kind, payload), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # no core at the other end any more
+            raise EngineDeadError(self._dead or "the engine core is not reachable") from None
 
     # --- lifecycle -----------------------------------------------------------------------
     def shutdown(self, timeout: float | None = 30.0) -> None:
@@ -300,7 +313,8 @@ class EngineClient:
                         item = out
                     by_loop.setdefault(stream.loop, []).append((stream, item))
                 if stopped:
-                    self._push.send_multipart((wire.ABORT, wire.encode([(r, "stop") for r in stopped])))
+                    with contextlib.suppress(EngineDeadError):
+                        self._push_locked(wire.ABORT, wire.encode([(r, "stop") for r in stopped]))
             for loop, items in by_loop.items():
                 self._post(loop, items)
         elif kind == wire.STATS:

@@ -21,6 +21,7 @@ import time
 
 import zmq
 
+from splash_jax.compile_guard import count_compiles
 from splash_jax.engine import core_wire as wire
 from splash_jax.engine.core_output import CoreOutput
 from splash_jax.engine.request import Request, RequestError
@@ -38,6 +39,7 @@ class CoreServer:
         self.engine = engine
         self.ctx = zmq.Context(io_threads=1)
         self.input = self.ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.RCVHWM, 0)
         self.input.bind(input_address)
         self.clients: dict[int, zmq.Socket] = {}  # front end index -> PUSH to its output address
         self.owner: dict[str, int] = {}  # request id -> front end index
@@ -49,10 +51,15 @@ class CoreServer:
         self.num_step_errors = 0
         self._stats_time = 0.0
         self._parent_time = 0.0
+        self.compiles = None
 
     # --- the loop --------------------------------------------------------------------------
     def run(self) -> None:
         log.info("engine core loop started (pid %d)", os.getpid())
+        with count_compiles() as self.compiles:  # stats()["compiles_after_ready"]: 0 unless something compiles late
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             while not self.stopping:
                 busy = self.engine.has_work()
@@ -101,6 +108,7 @@ class CoreServer:
         elif kind == wire.HELLO:
             client, address, pid = wire.decode_any(payload)
             sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # a live front end's queue never fills: sends never block
             sock.connect(address)
             self.clients[client] = sock
             log.info("front end %d (pid %d) connected", client, pid)
@@ -173,17 +181,23 @@ class CoreServer:
     def _send(self, client: int, outputs: list[CoreOutput]) -> None:
         sock = self.clients.get(client)
         if sock is not None:
-            sock.send_multipart((wire.OUTPUTS, wire.encode(outputs)), copy=False)
+            _send(sock, wire.OUTPUTS, wire.encode(outputs))
 
     def _send_stats(self, now: float) -> None:
         self._stats_time = now
         if not self.clients:
             return
-        stats = {**self.engine.stats(), "step_errors": self.num_step_errors, "engine_alive": not self.stopping,
-                 "engine_pid": os.getpid()}
+        stats = {**self.engine.stats(), **self._own_stats()}
         payload = wire.encode(stats)
         for sock in self.clients.values():
-            sock.send_multipart((wire.STATS, payload), copy=False)
+            _send(sock, wire.STATS, payload)
+
+    def _own_stats(self) -> dict:
+        return {"step_errors": self.num_step_errors, "engine_alive": not self.stopping, "engine_pid": os.getpid(),
+                "compiles_after_ready": self.compiles.count if self.compiles is not None else 0,
+                "front_ends": len(self.clients),
+                "core_loop_cpu_s": time.thread_time(),  # the loop thread's CPU: what each step costs the host
+                "core_process_cpu_s": time.process_time()}
 
     def _client_gone(self, client: int) -> None:
         ids = [rid for rid, c in self.owner.items() if c == client]
@@ -202,7 +216,7 @@ class CoreServer:
                 self._route(getattr(self.engine, call.name)(*call.args))
                 value = None
             elif call.name == "stats":
-                value = {**CALLS["stats"](self.engine), "step_errors": self.num_step_errors, "engine_alive": not self.stopping}
+                value = {**CALLS["stats"](self.engine), **self._own_stats()}
             elif call.name in CALLS:
                 value = CALLS[call.name](self.engine, *call.args)
             else:
@@ -212,16 +226,16 @@ class CoreServer:
             result = wire.CallResult(call.call_id, False, error=str(e), error_type=type(e).__name__)
         payload = wire.encode(result)
         for sock in self.clients.values():  # every front end sees it; only the caller has the call id
-            sock.send_multipart((wire.RESULT, payload), copy=False)
+            _send(sock, wire.RESULT, payload)
 
 
-def _switch_done(engine) -> bool:
-    return engine.switcher is None or engine.switcher.active is None
-
-
-def _last_switch(engine) -> dict | None:
-    switcher = engine.switcher
-    return switcher.history[-1].as_dict() if switcher is not None and switcher.history else None
+def _send(sock, kind: bytes, payload: bytes) -> None:
+    """Never blocks the loop: a front end that died has no peer left (zmq.Again), so its message
+    is dropped; the launcher reports it gone and its requests are aborted."""
+    try:
+        sock.send_multipart((kind, payload), flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        pass
 
 
 # What a front end may ask the core between steps, by name (plain data in, plain data out): the
@@ -229,8 +243,8 @@ def _last_switch(engine) -> dict | None:
 CALLS = {
     "stats": lambda engine: engine.stats(),
     "switch_layout": lambda engine, dst, preempt=False: engine.switch_layout(dst, preempt).as_dict(),
-    "switch_done": _switch_done,
-    "last_switch": _last_switch,
+    "switch_done": lambda engine: engine.switch_done(),
+    "last_switch": lambda engine: engine.last_switch(),
     "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
     "set_prefix_caching": lambda engine, enabled: engine.set_prefix_caching(enabled),
     "capacities": lambda engine: engine.capacities(),

@@ -289,6 +289,14 @@ class EngineCore:
         get_layout(dst)
         return self.switcher.start(dst, preempt)
 
+    def switch_done(self) -> bool:
+        """No switch in progress."""
+        return self.switcher is None or self.switcher.active is None
+
+    def last_switch(self) -> dict | None:
+        """The last finished switch (done, refused or cancelled), as its handle's dict."""
+        return self.switcher.history[-1].as_dict() if self.switcher is not None and self.switcher.history else None
+
     def step(self) -> list[CoreOutput]:
         """Schedule and dispatch one step; return the outputs of the step that completed."""
         cpu0, t0 = time.thread_time(), time.perf_counter()

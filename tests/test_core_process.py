@@ -1,0 +1,95 @@
+"""Faults around the engine core process (`python -m serve.main`, bundled model, 2 front ends):
+a front end that dies has its requests aborted and their pages freed in the core; a core that
+dies (kill -9) ends every open stream with an error event at once and the server exits non-zero;
+a core that cannot start is reported with its own error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from test_server import REPO, Server
+
+LONG = {"model": "splash-tiny", "prompt": "Pages of latents", "max_tokens": 240, "ignore_eos": True,
+        "temperature": 0, "stream": True}
+
+
+def _pid(log: str, pattern: str) -> int:
+    match = re.search(pattern, log)
+    assert match, f"{pattern!r} not in the log"
+    return int(match.group(1))
+
+
+async def _stream(base: str, started: asyncio.Event | None = None) -> str:
+    """One stream on its own connection: 'done', 'error' (an error event) or 'dropped' (connection lost)."""
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        try:
+            async with http.stream("POST", "/v1/completions", json=LONG) as r:
+                async for line in r.aiter_lines():
+                    if started is not None and line.startswith("data: {"):
+                        started.set()
+                    if line.startswith('data: {"error"'):
+                        return "error"
+                    if line == "data: [DONE]":
+                        return "done"
+        except httpx.HTTPError:
+            return "dropped"
+    return "dropped"
+
+
+def test_a_dead_front_end_frees_its_requests_and_a_dead_core_ends_every_stream(tmp_path):
+    srv = Server(tmp_path / "server.log", ("--api-server-count", "2"))
+    try:
+        srv.wait_ready()
+        deadline = time.monotonic() + 60
+        while srv.metric("splash_api_servers", 0) < 2:  # the second front end connects after the port opens
+            assert time.monotonic() < deadline, srv.tail()
+            time.sleep(0.2)
+        front_end = _pid(srv.tail(100_000), r"front end 1 \(pid (\d+)\) connected")
+        core = _pid(srv.tail(100_000), r"engine core starting \(pid (\d+)\)")
+
+        async def kill_front_end_mid_stream():
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(_stream(srv.base, started)) for _ in range(16)]  # the kernel spreads them
+            await started.wait()
+            os.kill(front_end, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(kill_front_end_mid_stream())
+        match = re.search(r"front end 1 is gone: aborted its (\d+) requests", srv.tail(100_000))
+        assert match, srv.tail()
+        assert results.count("dropped") == int(match.group(1)) >= 1 and results.count("done") >= 1, results
+        srv.wait_idle()  # the dead front end's requests left the core with their pages
+
+        async def kill_core_mid_stream():
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(_stream(srv.base, started)) for _ in range(4)]
+            await started.wait()
+            os.kill(core, signal.SIGKILL)
+            t0 = time.monotonic()
+            results = await asyncio.gather(*tasks)
+            return results, time.monotonic() - t0
+
+        results, waited = asyncio.run(kill_core_mid_stream())
+        assert results == ["error"] * 4 and waited < 5, (results, waited)
+        assert srv.proc.wait(timeout=30) == 1  # the server exits instead of serving nothing
+        assert "the engine core process (pid" in srv.tail(100_000)
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+        srv.log.close()
+
+
+def test_a_core_that_cannot_start_is_reported_with_its_error(tmp_path):
+    missing = tmp_path / "no-model-here"
+    proc = subprocess.run([sys.executable, "-m", "serve.main", "--model", str(missing), "--port", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "cannot start:" in proc.stderr and str(missing) in proc.stderr.split("cannot start:")[1], proc.stderr[-3000:]
