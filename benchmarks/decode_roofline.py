@@ -31,7 +31,7 @@ from flax import nnx
 from benchmarks.common import table, write_results
 from benchmarks.harness import SAMPLING, clear, inject_decoding
 from benchmarks.profiling import device_busy
-from benchmarks.shapes import shape_folder
+from benchmarks.shapes import shape_with_tokenizer
 from splash_jax.engine import Engine, EngineConfig
 
 log = logging.getLogger("benchmarks.decode_roofline")
@@ -71,6 +71,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="v2-lite")
     parser.add_argument("--num-layers", type=int, default=None, help="override the layer count")
+    parser.add_argument("--tokenizer", default=None, help="a model folder whose tokenizer (and vocabulary size) the shape takes")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's (default: the largest batch)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's (default: the largest batch)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="the engine's (default: the longest context + 128)")
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--steps", type=int, default=20)
@@ -108,13 +112,14 @@ def main(argv=None):
             parser.error(f"unknown --sampling {mode!r}; choose from {', '.join(SAMPLING)}")
     contexts = [int(c) for c in args.contexts.split(",")]
     overrides = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
-    folder = shape_folder(args.shape, **overrides)
+    folder = shape_with_tokenizer(args.shape, args.tokenizer, **overrides)
     bw = copy_bandwidth()
     log.info("copy bandwidth %.0f GB/s", bw / 1e9)
     engine = Engine(EngineConfig(
         model=str(folder), load_format="dummy", dtype=args.dtype, attention_impl=args.attention_impl,
-        page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=max(contexts) + 128,
-        max_num_seqs=max(batches), max_num_batched_tokens=max(max(batches), 8), warmup=False,
+        page_size=64, kv_memory_gb=args.kv_memory_gb, max_model_len=args.max_model_len or max(contexts) + 128,
+        max_num_seqs=args.max_num_seqs or max(batches),
+        max_num_batched_tokens=args.max_num_batched_tokens or max(max(batches), 8), warmup=False,
         layout=args.layout, num_devices=args.devices,
         min_token_bucket=args.min_token_bucket, scan_layers=args.scan_layers, expert_weights=args.expert_weights,
         graph_scheduling=args.graph_scheduling, unroll_max_tokens=args.unroll_max_tokens,

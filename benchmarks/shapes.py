@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -42,4 +43,18 @@ def shape_folder(name: str, **overrides) -> Path:
     cfg = dict(SHAPES[name], **overrides)
     folder = Path(tempfile.mkdtemp(prefix=f"splash-{name}-"))
     (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def shape_with_tokenizer(name: str, tokenizer: str | Path | None, **overrides) -> Path:
+    """shape_folder plus a real tokenizer's files, the vocabulary resized to the tokenizer's (so
+    text, stop strings and grammars work on a real-size model with dummy weights)."""
+    if tokenizer:
+        vocab = json.loads((Path(tokenizer) / "tokenizer.json").read_text())
+        size = max([*vocab["model"]["vocab"].values(), *(t["id"] for t in vocab.get("added_tokens", []))]) + 1
+        overrides.update(vocab_size=size, bos_token_id=0, eos_token_id=1)
+    folder = shape_folder(name, **overrides)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if tokenizer and (Path(tokenizer) / file).exists():
+            shutil.copy(Path(tokenizer) / file, folder / file)
     return folder

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import numpy as np
 from benchmarks.common import parse_engine_and_bench, percentiles, table, write_results
 from benchmarks.harness import clear
 from benchmarks.profiling import device_busy
-from benchmarks.shapes import shape_folder
+from benchmarks.shapes import shape_with_tokenizer
 from splash_jax.engine import Engine, SamplingParams
 from splash_jax.structured import StructuredOutputs
 
@@ -69,15 +68,7 @@ def model_folder(c: BenchConfig) -> Path:
     if not c.shape:
         return Path("")
     overrides = {"num_hidden_layers": c.num_layers} if c.num_layers else {}
-    if c.tokenizer:
-        vocab = json.loads((Path(c.tokenizer) / "tokenizer.json").read_text())
-        size = max([*vocab["model"]["vocab"].values(), *(t["id"] for t in vocab.get("added_tokens", []))]) + 1
-        overrides.update(vocab_size=max(size, 0), bos_token_id=0, eos_token_id=1)
-    folder = shape_folder(c.shape, **overrides)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if c.tokenizer and (Path(c.tokenizer) / name).exists():
-            shutil.copy(Path(c.tokenizer) / name, folder / name)
-    return folder
+    return shape_with_tokenizer(c.shape, c.tokenizer or None, **overrides)
 
 
 def start_row(engine: Engine, c: BenchConfig, constrained: bool, rid: str, seed: int, rng):
