@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
                     bar.update(1)
     elapsed = time.perf_counter() - start
     outs = list(done.values())
-    n_in, n_out = int(in_lens.sum()), sum(len(o.token_ids) for o in outs)
+    n_in, n_out = int(in_lens.sum()), sum(o.num_output_tokens for o in outs)
     summary = {
         "requests_per_s": len(outs) / elapsed,
         "total_tokens_per_s": (n_in + n_out) / elapsed,

@@ -161,7 +161,9 @@ async def send(client: httpx.AsyncClient, path: str, body: dict) -> RequestResul
     return result
 
 
-async def run(args: argparse.Namespace, base_url: str, model: str, requests: list[BenchRequest], tokenizer: Tokenizer):
+async def run(args: argparse.Namespace, base_url: str, model: str, requests: list[BenchRequest], tokenizer: Tokenizer,
+              barrier=None):
+    """-> (results, start, end, this process's CPU seconds). barrier: other client processes start with this one."""
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     limit = args.max_concurrency or len(requests)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
@@ -171,7 +173,9 @@ async def run(args: argparse.Namespace, base_url: str, model: str, requests: lis
         if not warm.ok:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
         gate = asyncio.Semaphore(limit)
-        bar = tqdm(total=len(requests), desc="requests", unit="req")
+        if barrier is not None:
+            await asyncio.to_thread(barrier.wait)
+        bar = tqdm(total=len(requests), desc="requests", unit="req", disable=barrier is not None)
 
         async def one(i: int) -> RequestResult:
             async with gate:
@@ -179,12 +183,45 @@ async def run(args: argparse.Namespace, base_url: str, model: str, requests: lis
             bar.update(1)
             return result
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         tasks = [asyncio.create_task(one(i)) async for i in poisson_arrivals(len(requests), args.request_rate, rng)]
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
+        t1 = time.perf_counter()
         bar.close()
-    return results, duration
+    return results, t0, t1, time.process_time() - cpu0
+
+
+def _client_process(args, base_url, model, requests, tokenizer, barrier, queue) -> None:
+    queue.put(asyncio.run(run(args, base_url, model, requests, tokenizer, barrier)))
+
+
+def run_clients(args, base_url: str, model: str, requests: list[BenchRequest], tokenizer: Tokenizer):
+    """The load from --client-processes processes (one Python client saturates near 60 streams of
+    fast tokens), each with its share of the requests and of the concurrency and rate, started
+    together. -> (results, duration, the busiest client's CPU seconds)."""
+    n = args.client_processes
+    if n <= 1:
+        results, t0, t1, cpu = asyncio.run(run(args, base_url, model, requests, tokenizer))
+        return results, t1 - t0, cpu
+    import copy
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")  # the client imports no accelerator runtime
+    barrier, queue = ctx.Barrier(n), ctx.Queue()
+    procs = []
+    for k in range(n):
+        sub = copy.copy(args)
+        sub.max_concurrency = max(1, (args.max_concurrency or len(requests)) // n)
+        sub.request_rate = args.request_rate / n
+        sub.seed = args.seed + 17 * k
+        procs.append(ctx.Process(target=_client_process, args=(sub, base_url, model, requests[k::n], tokenizer, barrier, queue)))
+    for p in procs:
+        p.start()
+    parts = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    results = [r for part in parts for r in part[0]]
+    return results, max(p[2] for p in parts) - min(p[1] for p in parts), max(p[3] for p in parts)
 
 
 # --- report --------------------------------------------------------------------------------
@@ -312,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--range-ratio", type=float, default=0.0, help="0: fixed lengths; r: uniform in len*(1±r)")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--client-processes", type=int, default=1, help="client processes sharing the load (and the concurrency)")
     parser.add_argument("--json-fraction", type=float, default=0.0, help="share of requests constrained by a JSON schema")
     parser.add_argument("--logprobs-fraction", type=float, default=0.0, help="share of requests asking for 5 top logprobs")
     parser.add_argument("--seed", type=int, default=0)
@@ -329,10 +367,11 @@ def main(argv: list[str] | None = None) -> dict:
         model = args.model or httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
         server_version = httpx.get(base_url + "/version").json()
         log.info("benchmarking %s at %s (%s)", model, base_url, server_version)
-        results, duration = asyncio.run(run(args, base_url, model, requests, tokenizer))
+        results, duration, client_cpu = run_clients(args, base_url, model, requests, tokenizer)
         layout = httpx.get(base_url + "/v1/layout").json()
         steps = step_intervals(httpx.get(base_url + "/metrics").text)
     summary = summarize(results, duration)
+    summary["client_cpu_s"] = client_cpu  # the busiest client process's CPU: near duration_s, the client is the limit
     print(table(summary))
     if steps:
         print("engine step intervals (ms; back-to-back steps, by kind): " + json.dumps(steps))

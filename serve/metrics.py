@@ -66,6 +66,13 @@ class EngineStatsCollector(Collector):
         yield self._counter("splash_engine_step_errors", "Engine steps that raised", s.get("step_errors"))
         yield self._counter("splash_engine_core_loop_cpu_seconds", "CPU seconds of the engine core's loop thread "
                             "(with the core in its own process)", s.get("core_loop_cpu_s"))
+        yield self._counter("splash_engine_device_wait_seconds", "Seconds the engine loop blocked on the device for "
+                            "sampled tokens (a spinning wait counts as CPU too)", s.get("device_wait_s"))
+        phases = CounterMetricFamily("splash_engine_step_host_seconds", "Wall seconds of the engine loop's step() by "
+                                     "phase (schedule, dispatch, complete, wait, ...)", labels=["phase"])
+        for phase, ms in sorted((s.get("host_phase_ms") or {}).items()):
+            phases.add_metric([phase], self._counted(f"host_phase_{phase}", ms / 1e3))
+        yield phases
         yield _gauge("splash_api_servers", "HTTP front-end processes connected to the engine core", s.get("front_ends", 1))
         yield _gauge("splash_engine_compiles_after_ready", "Traces and compiles in the engine core since it was ready "
                      "(0: every program was compiled at start-up)", s.get("compiles_after_ready", 0))

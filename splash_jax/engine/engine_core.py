@@ -24,21 +24,20 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
 from splash_jax import distributed
-from splash_jax.attention.expanded import min_chunk_tokens, worth_expanding
 from splash_jax.engine.config import EngineConfig
 from splash_jax.engine.executor import StepExecutor, step_executor_args
 from splash_jax.engine.engine_stats import engine_stats
-from splash_jax.engine.inflight import GrammarMasks, InFlight, collect_prompt_logprobs
+from splash_jax.engine.inflight import GrammarMasks, InFlight
 from splash_jax.engine.core_output import CoreOutput
-from splash_jax.engine.request import Request, RequestError, SamplingLimits, Status
-from splash_jax.engine.sampler import FULL_MODE, SamplerMode, SamplerWidths, needs_full
-from splash_jax.engine.scheduler import ScheduledChunk, Scheduler
+from splash_jax.engine.device_steps import DeviceSteps
+from splash_jax.engine.request import Request, RequestError, SamplingLimits
+from splash_jax.engine.sampler import SamplerWidths
+from splash_jax.engine.scheduler import Scheduler
 from splash_jax.engine.speculative import MtpDrafter, NgramDrafter
-from splash_jax.engine.step_packer import SlotSampling, pack_step
+from splash_jax.engine.step_packer import SlotSampling
 from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.engine.warmup import run_every_program_once
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
@@ -70,17 +69,7 @@ def enable_compilation_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def start_host_copies(result, want_logprobs: bool) -> None:
-    """Start the device-to-host copies of what _complete reads back, at dispatch: the tokens, and
-    the logprob arrays of a step that returns logprobs (read without it, each is a transfer the
-    host waits for after the step: batch-1 decode with logprobs, docs/kernels.md)."""
-    result.tokens.copy_to_host_async()
-    if want_logprobs:
-        for x in (result.logprob, result.top_ids, result.top_logprobs):
-            x.copy_to_host_async()
-
-
-class EngineCore:
+class EngineCore(DeviceSteps):
     """Schedules, dispatches steps, applies tokens, advances grammars, runs switches: nothing
     per request that can run elsewhere. step() returns token-level CoreOutputs."""
 
@@ -226,6 +215,8 @@ class EngineCore:
         # always; benchmarks/switching.py reports it per step.
         self.last_step_ms: dict[str, float] = {}
         self._last_wait_s = 0.0
+        self.host_phase_ms: dict[str, float] = {}  # last_step_ms summed over every step (stats, /metrics)
+        self.device_wait_s = 0.0  # host time blocked on the device for tokens (CUDA may spin: it shows as CPU)
         if config.resolved_warmup_runs(backend):  # every process runs it itself, before mirroring starts
             self.run_every_program_once()
         if config.resolved_gc_freeze(backend):
@@ -334,6 +325,8 @@ class EngineCore:
         self.last_step_ms = {"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
                              "handoff": (t3h - t3) * 1e3, "wait": self._last_wait_s * 1e3,
                              "complete": (t4 - t3h - self._last_wait_s) * 1e3}
+        for phase, ms in self.last_step_ms.items():
+            self.host_phase_ms[phase] = self.host_phase_ms.get(phase, 0.0) + ms
         self.timeline.host_time(time.thread_time() - cpu0)
         return outputs + self._failed_now()
 
@@ -408,201 +401,6 @@ class EngineCore:
         failed, self._failed = self._failed, []
         return failed
 
-    def _bucket(self, chunks: list[ScheduledChunk]):
-        """The smallest bucket holding the chunks' tokens, requests and logits rows (a chunk with
-        prompt logprobs takes a row per position)."""
-        rows = sum(c.num_rows for c in chunks)
-        if self.layout.owner_rows:
-            tokens, requests = [0] * self.n, [0] * self.n
-            for c in chunks:
-                tokens[c.request.owner] += c.num_tokens
-                requests[c.request.owner] += 1
-            return self.executor.pick(max(tokens), max(max(requests), -(-rows // self.n)))
-        return self.executor.pick(sum(c.num_tokens for c in chunks), max(len(chunks), rows))
-
-    def _pack(self, chunks: list[ScheduledChunk], expand: bool = True):
-        """-> (bucket, expanded, packed). expand=False: never the expanded-prefill program."""
-        for c in chunks:  # a request that just took a slot: write its sampling row once
-            r = c.request
-            if self._slot_request[r.slot] is not r:
-                self.slot_sampling.assign(r.slot, r.params, r.sample_seed)
-                self._slot_request[r.slot] = r
-        bucket = self._bucket(chunks)
-        ex = self.executor
-        floor = min_chunk_tokens(ex.expanded_min_tokens)  # decode chunks (1 token) stop at this compare
-        expanded = expand and ex.expands(self.layout, bucket) and any(
-            c.num_tokens >= floor and worth_expanding(c.num_tokens, c.start + c.num_tokens, ex.expanded_min_tokens)
-            for c in chunks
-        )
-        shape = ex.shape(self.layout, bucket, expanded)
-        packed = pack_step(shape, chunks, self.scheduler.tables, self.slot_sampling, self.config.page_size,
-                           span_min_tokens=ex.expanded_min_tokens)
-        return bucket, expanded, packed
-
-    def _dispatch(self, chunks: list[ScheduledChunk]) -> InFlight | None:
-        try:
-            bucket, expanded, packed = self._pack(chunks)
-        except Exception as e:  # noqa: BLE001 - host-side: find the requests that cause it, fail only them
-            chunks = self._isolate(chunks, e)
-            if not chunks:
-                return None
-            bucket, expanded, packed = self._pack(chunks)
-        previous = self._inflight
-        if previous is not None and previous.logits is not None:
-            self._sample_deferred(previous)  # its tokens feed this step (its masks filled meanwhile)
-            if previous.result is None:
-                return None  # its sampling failed: _recover requeued every running request
-        move = self.switcher.step_moves() if self.switcher is not None else None
-        if expanded and move is not None:  # moving programs have no expanded variant
-            bucket, expanded, packed = self._pack(chunks, expand=False)
-        sampling = [c for c in chunks if c.samples]
-        lp_chunks = [c for c in chunks if c.lp_start >= 0]
-        constrained = any(c.request.grammar is not None for c in sampling)
-        try:
-            full = bool(lp_chunks) or any(needs_full(c.request.params) for c in chunks)
-            mode = FULL_MODE
-            if full:
-                mode = SamplerMode.serving(c.request.params for c in chunks)
-                if any(c.request.params.prompt_logprobs for c in lp_chunks):
-                    mode = dataclasses.replace(mode, top_logprobs=True)
-            # A step with grammar rows runs its forward pass now and its sampling once the host
-            # has advanced each grammar by the previous step's token (_sample_deferred).
-            out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained)
-            if self.mtp is not None:  # the MTP pass and draft chain, once the step's tokens exist
-                self.mtp.arm(bucket, expanded, packed, chunks, self.scheduler.tables, keep=self._mtp_drafting)
-                if not constrained:
-                    self.mtp.fire(out.tokens)
-        except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
-            self._recover(e, chunks)
-            return None
-        want = bool(lp_chunks) or any(c.request.params.logprobs is not None for c in sampling)
-        if not constrained:
-            start_host_copies(out, want)
-        self.scheduler.dispatched(chunks)  # the pages these chunks completed may be cached now
-        for c, row in zip(sampling, packed.rows):
-            c.request.pending_row = row
-        now = time.monotonic()
-        for c in chunks:
-            if c.request.metrics.first_scheduled is None:
-                c.request.metrics.first_scheduled = now
-        if constrained:
-            return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode)
-        return InFlight(chunks, packed.rows, out, want, packed.prompt_rows)
-
-    def _sample_deferred(self, step: InFlight) -> None:
-        """Dispatch the sampler program of a step whose forward pass went ahead of its grammar
-        masks; before the next step's forward pass, which reads its tokens."""
-        mask = self.grammar_masks.take(step)
-        logits, step.logits = step.logits, None
-        try:
-            step.result = self.executor.sample(logits, step.mode, mask)
-            if self.mtp is not None:
-                self.mtp.fire(step.result.tokens)  # its draft program, if it was armed
-        except Exception as e:  # noqa: BLE001 - the sampler failed on the device
-            self._recover(e, step.chunks)
-            return
-        start_host_copies(step.result, step.want_logprobs)
-
-    def _complete(self, step: InFlight, back_to_back: bool = False) -> list[CoreOutput]:
-        """Read back a dispatched step and apply its tokens (stops, finishes, output deltas).
-        back_to_back: the previous step() completed a step too (its interval is a cadence)."""
-        if step.logits is not None:
-            self._sample_deferred(step)
-        if step.result is None:  # its deferred sampling failed: _recover already requeued its requests
-            return []
-        try:
-            t = time.perf_counter()
-            tokens = np.asarray(step.result.tokens)
-            self._last_wait_s = time.perf_counter() - t
-            r = step.result
-            logprobs = jax.device_get((r.logprob, r.top_ids, r.top_logprobs)) if step.want_logprobs else None
-        except Exception as e:  # noqa: BLE001 - the step failed on the device
-            self._recover(e, step.chunks)
-            return []
-        self.num_steps += 1
-        self.timeline.completed(time.perf_counter(), step.chunks, back_to_back)
-        now = time.monotonic()
-        for i, first, count in step.prompt_rows:
-            collect_prompt_logprobs(step.chunks[i].request, logprobs, first, count)
-        outputs: dict[str, CoreOutput] = {}  # one per request (a verify chunk applies several tokens)
-        for update in self.scheduler.apply_tokens(step.chunks, step.rows, tokens):
-            r = update.request
-            out = outputs.get(r.request_id)
-            if out is None:
-                out = outputs[r.request_id] = _new_output(r, logprobs is not None)
-            out.new_token_ids.append(update.token)
-            if out.logprobs is not None:
-                chosen, top_ids, top_lp = logprobs
-                k, row = r.params.logprobs, update.row
-                out.logprobs.append(float(chosen[row]))
-                out.top_logprobs.append(dict(zip(top_ids[row, :k].tolist(), top_lp[row, :k].tolist())))
-            if update.finish_reason is not None:
-                out.finish_reason, out.stop_token, out.stop_reason, out.error = (
-                    update.finish_reason, update.stop_token, r.stop_reason if isinstance(r.stop_reason, int) else None, r.error)
-                self._requests.pop(r.request_id, None)
-        self._recent.append((now, sum(len(o.new_token_ids) for o in outputs.values())))
-        if self.mtp is not None:
-            self._record_drafts(step)
-        return list(outputs.values())
-
-    def _record_drafts(self, step: InFlight) -> None:
-        """The MTP drafts the device computed after this step: each request that sampled in it
-        continues from them in its next step (speculative.MtpDrafter)."""
-        try:
-            drafts = self.mtp.take(step.chunks)
-        except Exception as e:  # noqa: BLE001 - its draft program failed: no drafts (the next step fails and recovers)
-            log.warning("reading the MTP drafts failed (%s: %s)", type(e).__name__, e)
-            drafts = None
-        for request, d in drafts or ():
-            if not request.is_finished:
-                self.mtp_drafter.record(request, d)
-        self.mtp_drafter.prune()
-
-    def _fail(self, request: Request, message: str) -> None:
-        log.warning("request %s failed: %s", request.request_id, message)
-        self.scheduler.finish(request, "error")
-        self._requests.pop(request.request_id, None)
-        self._failed.append(CoreOutput(request.request_id, [], "error", num_cached_tokens=request.num_cached_tokens,
-                                       error=message))
-
-    def _isolate(self, chunks: list[ScheduledChunk], error: Exception) -> list[ScheduledChunk]:
-        """Packing failed: pack each request alone, fail those that still fail, keep the rest."""
-        log.warning("packing a step failed (%s: %s); isolating the requests that cause it", type(error).__name__, error)
-        good = []
-        for c in chunks:
-            try:
-                self._pack([c])
-                good.append(c)
-            except Exception as e:  # noqa: BLE001
-                self._fail(c.request, f"the request could not be run: {type(e).__name__}: {e}")
-        return good
-
-    def _recover(self, error: Exception, chunks: list[ScheduledChunk]) -> None:
-        """A device step failed, so the donated pool is lost: start from an empty pool and recompute
-        every running request (outputs unchanged). A request in two failed steps is failed."""
-        self.num_step_failures += 1
-        log.error("engine step failed on the device (%s: %s); recomputing the running requests", type(error).__name__, error)
-        self._inflight = None
-        if self.mtp is not None:
-            self.mtp.drop()
-            self.mtp_drafter.forget()
-        for c in chunks:
-            c.request.metrics.num_step_failures += 1
-            if c.request.metrics.num_step_failures >= 2 and c.request.status != Status.FINISHED:
-                self._fail(c.request, f"the engine step failed twice with this request in it: {type(error).__name__}: {error}")
-        for request in list(self.scheduler.running):
-            self.scheduler.preempt(request)
-        if self.switcher is not None and self.switcher.active is not None:
-            self.switcher.active[0].cancel()  # its plans name pages of the lost pool: start again if wanted
-        for request in self.scheduler.waiting:
-            request.num_pending, request.pending_row = 0, -1  # tokens of the lost steps are sampled again
-            request.prompt_lp_next = len(request.prompt_lps)  # and their prompt logprobs computed again
-        self._slot_request = [None] * len(self._slot_request)
-        if self.scheduler.cache is not None:
-            self.scheduler.cache.clear()  # the cached pages' contents went with the pool
-        self.executor.reset_device_state()
-
-    # --- convenience ---------------------------------------------------------------------
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn automatic prefix caching on or off while idle (off forgets every cached page), so
         one engine can serve a workload both ways (benchmarks, A/B tests)."""
@@ -638,20 +436,6 @@ class EngineCore:
     def stats(self) -> dict:
         """Counters and gauges for dashboards and notebooks (engine/engine_stats.py)."""
         return engine_stats(self)
-
-
-def _new_output(request: Request, have_logprobs: bool) -> CoreOutput:
-    """A request's CoreOutput for this step: its prompt logprobs the first time (vLLM's shape:
-    None for the first prompt token), logprob lists if it asked for them."""
-    out = CoreOutput(request.request_id, [], num_cached_tokens=request.num_cached_tokens)
-    if request.params.logprobs is not None and have_logprobs:
-        out.logprobs, out.top_logprobs = [], []
-    if request.params.prompt_logprobs is not None and not request.prompt_lps_sent:
-        request.prompt_lps_sent = True
-        out.prompt_logprobs = [None] + request.prompt_lps
-        out.prompt_top_logprobs = [None] + (request.prompt_tops if request.params.prompt_logprobs
-                                            else [{}] * len(request.prompt_lps))
-    return out
 
 
 def _check_mtp(model, path: Path) -> None:

@@ -40,6 +40,8 @@ def engine_stats(engine) -> dict:
         "num_devices": engine.n,
         "overlap_scheduling": engine.config.overlap_scheduling,
         "step_failures": engine.num_step_failures,
+        "device_wait_s": engine.device_wait_s,
+        "host_phase_ms": dict(engine.host_phase_ms),  # step() wall time by phase, summed (Engine.last_step_ms)  # the loop blocked reading back tokens
         "compiled_programs": engine.executor.num_compiled,
         "compile_seconds": round(engine.executor.compile_seconds, 2),
         "compile": engine.executor.compile_stats.summary(),  # start-up compiles: programs, seconds, cache hits

@@ -27,10 +27,8 @@ each device's own share (the step holds N segments of that size).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import logging
-import os
 import threading
 
 import jax
@@ -49,10 +47,14 @@ from splash_jax.engine.compile_options import (  # noqa: F401  (re-exported: tes
     UNROLLED_GPU_OPTIONS, step_compiler_options,
 )
 from splash_jax.engine.program_memory import ProgramMemory, slow_compile_watch
+from splash_jax.engine.step_programs import (  # noqa: F401  (re-exported: the engine, AOT, tests)
+    Bucket, StepLogits, StepResult, auto_compile_threads, bucket_ladder, layout_step, param_path, param_specs, program_name,
+    sampler_name, step_executor_args,
+)
 from splash_jax.engine.penalties import PenaltyState, update_history
 from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, SamplingInputs, sample
 from splash_jax.engine.step_packer import StepShape, split_step_buffer, step_buffer, unpack_step
-from splash_jax.kv.cache import KVCache, StepInput
+from splash_jax.kv.cache import KVCache
 from splash_jax.structured.masks import mask_words
 from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
 from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
@@ -60,130 +62,6 @@ from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pag
 log = logging.getLogger(__name__)
 
 COMPILE_THREAD_STACK = 512 * 2**20
-PER_DEVICE_FIELDS = ("token_request", "write_page", "write_offset", "kv_lens", "page_table")
-
-
-def auto_compile_threads() -> int:
-    """One compile thread per CPU on accelerators; 1 on the CPU backend, where XLA's compiler already
-    uses the cores (benchmarks/startup.py: 2 threads were 12% slower on a 2-core host)."""
-    return 1 if jax.default_backend() == "cpu" else (os.cpu_count() or 1)
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Bucket:
-    tokens: int
-    requests: int
-
-
-def bucket_ladder(max_tokens: int, max_requests: int, min_tokens: int = 8) -> list[Bucket]:
-    """Token buckets in powers of two up to max_tokens, each with min(tokens, max_requests) request rows.
-
-    One request size per token size keeps the ladder short (log2 of the budget); the extra
-    request rows of a prefill-heavy step only cost their LM-head rows and sampling.
-    """
-    sizes, t = [], min(min_tokens, max_tokens)
-    while t < max_tokens:
-        sizes.append(t)
-        t *= 2
-    sizes.append(max_tokens)
-    return [Bucket(t, min(t, max_requests)) for t in sizes]
-
-
-def mode_name(mode: SamplerMode) -> str:
-    """A SamplerMode as a short name (its true fields)."""
-    fields = [f.name for f in dataclasses.fields(mode) if getattr(mode, f.name)]
-    return "+".join(fields) or "plain"
-
-
-def program_name(layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
-                 mode: SamplerMode | None = None) -> str:
-    """A step program's name from its key, e.g. "tp/t8r8/full+fused-filter" (logs, stats, AOT reports)."""
-    variant = "+".join(["full" if full else "greedy"] + ["moving"] * moving + ["expanded"] * expanded
-                       + ([f"fused-{mode_name(mode)}"] if mode is not None else []))
-    return f"{layout.name}/t{bucket.tokens}r{bucket.requests}/{variant}"
-
-
-def sampler_name(rows: int, mode: SamplerMode) -> str:
-    """The sampler program's name in logs, memory reports and AOT reports."""
-    return f"sampler/r{rows}/{mode_name(mode)}"
-
-
-def step_executor_args(config, platform: str, n: int, pages_per_request: int, widths: SamplerWidths,
-                       extra_pages_total: int, switch_chunk_pages: int) -> dict:
-    """StepExecutor's arguments besides model, pool, mesh and layout, from an EngineConfig: the one
-    recipe the engine, its start-up probe (engine/pool_sizing.py) and AotBuild (aot.py) share."""
-    return dict(
-        ladder=(config.max_num_batched_tokens, config.max_logits_rows, config.min_token_bucket),
-        pages_per_request=pages_per_request, impl=config.attention_impl, widths=widths, num_slots=config.max_num_seqs,
-        extra_pages_total=extra_pages_total, move_pages=switch_chunk_pages if config.enable_switching and n > 1 else 0,
-        expanded_min_tokens=config.resolved_expanded_min_tokens(platform), graph_scheduling=config.graph_scheduling,
-        unroll_max_tokens=config.unroll_max_tokens, step_input_memory=config.resolved_step_input_memory(platform),
-        fused_max_tokens=config.resolved_fused_sampler_max_tokens(platform),
-    )
-
-
-def param_specs(state, layout: Layout):
-    """PartitionSpec pytree matching the param state, from the layout's rule table."""
-
-    def spec(path, _leaf):
-        return layout.param_spec(param_path(path))
-
-    return jax.tree_util.tree_map_with_path(spec, state)
-
-
-def param_path(path) -> tuple[str, ...]:
-    names = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
-    return tuple(str(n) for n in names if n not in (None, "value"))
-
-
-def _local(batch: StepInput) -> StepInput:
-    """Inside shard_map the per-device fields arrive as [1, ...]: drop that axis."""
-    fields = PER_DEVICE_FIELDS + (("prefill_span",) if batch.prefill_span is not None else ())
-    return dataclasses.replace(batch, **{f: getattr(batch, f)[0] for f in fields})
-
-
-def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str):
-    """The model forward for `layout` as one shard_map over the mesh, on an unpacked StepInput
-    (per-device fields with a leading [N] axis): (state, kv, batch) -> (float32 logits, kv).
-    For checks and benchmarks; the engine runs `StepExecutor` programs."""
-    ctx = ShardedContext(layout, mesh.shape[AXIS], impl)
-
-    def per_device(state, kv, batch):
-        return nnx.merge(graphdef, state)(kv, _local(batch), ctx=ctx)
-
-    kv_specs = jax.tree.map(lambda _: POOL_SPEC, kv)
-
-    def mapped(state, kv, batch):
-        span = None if batch.prefill_span is None else P(AXIS)
-        valid = None if batch.valid is None else P()
-        batch_specs = StepInput(P(), P(), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(), span, valid)
-        return jax.shard_map(
-            per_device, mesh=mesh, in_specs=(param_specs(state, layout), kv_specs, batch_specs),
-            out_specs=(P(), kv_specs), check_vma=False,
-        )(state, kv, batch)
-
-    return mapped
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StepResult:
-    """A dispatched step's device outputs (nothing is read back until asked)."""
-
-    tokens: jax.Array  # [max_rows] int32: sampled tokens, padded (the next step may read them)
-    logprob: jax.Array  # [rows]
-    top_ids: jax.Array  # [rows, MAX_LOGPROBS]
-    top_logprobs: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StepLogits:
-    """A full-sampler step's device outputs, the input of a sampler program (one per
-    (rows, SamplerMode)): the step program stays one per bucket whatever its rows ask for."""
-
-    logits: jax.Array  # [rows, V] float32, replicated
-    sampling: SamplingInputs  # [rows], replicated
 
 
 class StepExecutor:
