@@ -21,43 +21,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from splash_jax.engine.engine import Engine
-from splash_jax.engine.request import Request, RequestOutput, SamplingParams
+from splash_jax.engine.output_streams import (  # noqa: F401  (EngineDeadError, EngineStepError: re-exported)
+    EngineDeadError, EngineStepError, OutputStreams, _aborted_output, _Failure, _put_all, _Stream,
+)
+from splash_jax.engine.request import Request, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (shut down, or it crashed); nothing can be served."""
-
-
-class EngineStepError(RuntimeError):
-    """A step failed while this request was in it; the request was aborted."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Stream:
-    """Where the outputs of one caller's requests go (touched by the engine thread only)."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    last: dict[str, RequestOutput | None]  # request id -> its latest output
-
-
-@dataclasses.dataclass
-class _Failure:
-    """An error for a stream, naming its requests the loop already removed from the engine."""
-
-    error: BaseException
-    request_ids: list[str]
 
 
 @dataclasses.dataclass
@@ -77,7 +54,7 @@ class _Call:
     future: concurrent.futures.Future
 
 
-class AsyncEngine:
+class AsyncEngine(OutputStreams):
     """Owns an Engine and runs its step loop on a dedicated thread."""
 
     def __init__(self, engine: Engine, *, start: bool = True, stats_interval_s: float = 0.25):
@@ -141,39 +118,12 @@ class AsyncEngine:
         if self._thread.is_alive():
             log.warning("engine thread did not stop within %.0fs", timeout)
 
-    # --- requests ------------------------------------------------------------------------
-    async def generate(
-        self, prompt: str | Sequence[int] | Request, params: SamplingParams | None = None, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs until it finishes; closing the iterator aborts it."""
-        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id)
-        async with contextlib.aclosing(self.generate_many([request])) as outputs:
-            async for out in outputs:
-                yield out
+    # --- requests (generate, generate_many: OutputStreams) ------------------------------
+    def _open(self, requests: list[Request], stream: _Stream) -> None:
+        self._submit(_Add(requests, stream))
 
-    async def generate_many(self, requests: Sequence[Request]) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of several requests as they come (tell them apart by request_id).
-
-        Ends when all have finished; raises the first error of any of them. Closing it early
-        aborts those still running.
-        """
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), {r.request_id: None for r in requests})
-        pending = set(stream.last)
-        self._submit(_Add(list(requests), stream))
-        try:
-            while pending:
-                item = await stream.queue.get()
-                if isinstance(item, _Failure):
-                    pending.difference_update(item.request_ids)  # gone already: never abort an id reused since
-                    raise item.error
-                if item.finished:
-                    pending.discard(item.request_id)
-                yield item
-        finally:
-            if pending:
-                self._submit(_Abort(list(pending)))
+    def _close(self, request_ids: list[str]) -> None:
+        self._submit(_Abort(request_ids))
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends with finish_reason 'abort'."""
@@ -334,24 +284,3 @@ class AsyncEngine:
         if force or now - self._stats_time >= self.stats_interval_s:
             self._stats = self.engine.stats()
             self._stats_time = now
-
-
-def _put_all(items: list) -> None:
-    for stream, item in items:
-        stream.queue.put_nowait(item)
-
-
-def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        prompt_ids=last.prompt_ids if last else [],
-        token_ids=list(last.token_ids) if last else [],
-        text=last.text if last else "",
-        delta_text="",
-        delta_token_ids=[],
-        finished=True,
-        finish_reason="abort",
-        logprobs=last.logprobs if last else None,
-        top_logprobs=last.top_logprobs if last else None,
-        ttft=last.ttft if last else None,
-    )

@@ -24,14 +24,16 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
 from splash_jax.engine import core_wire as wire
-from splash_jax.engine.async_engine import EngineDeadError, EngineStepError, _aborted_output, _Failure, _put_all, _Stream
+from splash_jax.engine.output_streams import (
+    EngineDeadError, EngineStepError, OutputStreams, _aborted_output, _Failure, _put_all, _Stream,
+)
 from splash_jax.engine.output_processor import OutputProcessor
-from splash_jax.engine.request import Request, RequestOutput, SamplingParams
+from splash_jax.engine.request import Request, SamplingParams
 from splash_jax.engine.request_factory import EngineFacts, RequestFactory
 
 log = logging.getLogger(__name__)
@@ -125,7 +127,7 @@ class CoreProcess:
         return self.process.exitcode
 
 
-class EngineClient:
+class EngineClient(OutputStreams):
     """An AsyncEngine whose core runs in another process (one per API server process)."""
 
     def __init__(self, address: str, facts: EngineFacts, tokenizer, index: int = 0, core_pid: int | None = None,
@@ -175,37 +177,19 @@ class EngineClient:
         """The core's stats as of its last report (a few times a second)."""
         return {**self._stats, "engine_alive": self.is_running}
 
-    # --- requests ------------------------------------------------------------------------
-    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id)
-        async with contextlib.aclosing(self.generate_many([request])) as outputs:
-            async for out in outputs:
-                yield out
+    # --- requests (generate, generate_many: OutputStreams) ------------------------------
+    def _dead_reason(self) -> str:
+        return self._dead or "the engine is not running"
 
-    async def generate_many(self, requests: Sequence[Request]) -> AsyncIterator[RequestOutput]:
-        """Stream the requests' outputs as they come; closing it early aborts those still running."""
-        if not self.is_running:
-            raise EngineDeadError(self._dead or "the engine is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), {r.request_id: None for r in requests})
-        pending = set(stream.last)
+    def _open(self, requests: list[Request], stream: _Stream) -> None:
         with self._lock:
             for r in requests:
                 self._streams[r.request_id] = stream
                 self.outputs.add(r)
             self._push_locked(wire.ADD, wire.encode((self.index, [wire.NewRequest.of(r) for r in requests])))
-        try:
-            while pending:
-                item = await stream.queue.get()
-                if isinstance(item, _Failure):
-                    pending.difference_update(item.request_ids)
-                    raise item.error
-                if item.finished:
-                    pending.discard(item.request_id)
-                yield item
-        finally:
-            if pending:
-                self._abort(list(pending), deliver=False)
+
+    def _close(self, request_ids: list[str]) -> None:
+        self._abort(request_ids, deliver=False)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends with finish_reason 'abort'."""
