@@ -47,15 +47,15 @@ from splash_jax.engine.compile_options import (  # noqa: F401  (re-exported: tes
     UNROLLED_GPU_OPTIONS, step_compiler_options,
 )
 from splash_jax.engine.program_memory import ProgramMemory, slow_compile_watch
+from splash_jax.engine.sampler_programs import SamplerPrograms
 from splash_jax.engine.step_programs import (  # noqa: F401  (re-exported: the engine, AOT, tests)
     Bucket, StepLogits, StepResult, auto_compile_threads, bucket_ladder, layout_step, param_path, param_specs, program_name,
     sampler_name, step_executor_args,
 )
 from splash_jax.engine.penalties import PenaltyState, update_history
-from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, SamplingInputs, sample
+from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, sample
 from splash_jax.engine.step_packer import StepShape, split_step_buffer, step_buffer, unpack_step
 from splash_jax.kv.cache import KVCache
-from splash_jax.structured.masks import mask_words
 from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
 from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
 
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 COMPILE_THREAD_STACK = 512 * 2**20
 
 
-class StepExecutor:
+class StepExecutor(SamplerPrograms):
     # MTP drafts (engine/mtp_draft.py): step programs also return the final hidden state of every
     # token slot (the LM head's input), kept as `step_hidden` with the step's device inputs
     # (`step_inputs`) for the draft program the engine dispatches right after the step.
@@ -315,70 +315,6 @@ class StepExecutor:
         target = self.input_sharding()
         return buf if buf.sharding.memory_kind == target.memory_kind else jax.device_put(buf, target)
 
-    def _sampler_program(self, rows: int, mode: SamplerMode):
-        """Penalties, the grammar masks, the draw and what `mode` asks for, on a full step's
-        StepLogits; replicated like the logits (every device samples the same rows), the penalty
-        state only read. The mask is an input of fixed shape ([rows, ceil(V/32)] int32, all ones
-        for rows without a grammar), so constrained steps run the same programs."""
-        max_rows = self.max_rows
-
-        def fn(step: StepLogits, penalties: PenaltyState, mask: jax.Array) -> StepResult:
-            out = sample(step.logits, step.sampling, penalties, full=True, mode=mode, mask=mask)
-            tokens = jnp.zeros(max_rows, jnp.int32).at[:rows].set(out.tokens)
-            return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs)
-
-        return jax.jit(fn, out_shardings=self.replicated)
-
-    @property
-    def mask_words(self) -> int:
-        return mask_words(self.penalties.output_counts.shape[-1])
-
-    def lower_sampler(self, rows: int, mode: SamplerMode):
-        vocab = self.penalties.output_counts.shape[-1]
-        step = StepLogits(jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=self.replicated),
-                          SamplingInputs.abstract(rows, self.widths, self.replicated))
-        pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
-        mask = jax.ShapeDtypeStruct((rows, self.mask_words), jnp.int32, sharding=self.replicated)
-        return self._sampler_program(rows, mode).lower(step, pen, mask)
-
-    def sampler_program(self, rows: int, mode: SamplerMode):
-        """The compiled sampler program for `rows` logits rows (compiled here only without warm-up)."""
-        program = self._samplers.get((rows, mode))
-        if program is None:
-            program = self._samplers[(rows, mode)] = self._compile_sampler(rows, mode)
-            self.num_compiled += 1
-        return program
-
-    def _compile_sampler(self, rows: int, mode: SamplerMode):
-        name = sampler_name(rows, mode)
-        with slow_compile_watch(name):
-            program = compile_lowered(self.lower_sampler(rows, mode), None, self.device_key)
-        self.program_memory.record(name, program)
-        return program
-
-    def open_mask(self, rows: int) -> jax.Array:
-        """The all-ones mask of `rows` rows, kept on the device (steps without a grammar send none)."""
-        mask = self._open_masks.get(rows)
-        if mask is None:
-            mask = self._open_masks[rows] = jax.device_put(np.full((rows, self.mask_words), -1, np.int32), self.replicated)
-        return mask
-
-    def sampler_rows(self, layouts: list[Layout]) -> list[int]:
-        """Logits rows of every bucket's step in these layouts: the sampler programs warm-up needs."""
-        return sorted({self.shape(lay, b).rows for lay in layouts for b in self.buckets(lay)})
-
-    def compile_samplers(self, layouts: list[Layout]) -> int:
-        """Compile the sampler program of every (rows, mode) these layouts' full steps can need."""
-        todo = [key for key in self.sampler_keys(layouts) if key not in self._samplers]
-        with self.compile_stats.track("samplers") as rec:
-            for key in todo:
-                self._samplers[key] = self._compile_sampler(*key)
-                self.open_mask(key[0])
-            rec["programs"] = len(todo)
-        self.num_compiled += len(todo)
-        self.compile_seconds += rec["seconds"]
-        return len(todo)
-
     def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
               mode: SamplerMode | None = None):
         fn, shape = self._program(layout, bucket, moving, full, expanded, mode)
@@ -441,10 +377,6 @@ class StepExecutor:
                 for e in ((False, True) if self.expands(lay, b) and not m else (False,))]
         return keys + [(lay, b, False, True, False, mode) for lay in self.program_layouts(layouts)
                        for b in self.buckets(lay) if self.fuses(b) for mode in SAMPLER_MODES]
-
-    def sampler_keys(self, layouts: list[Layout]) -> list[tuple[int, SamplerMode]]:
-        """(logits rows, mode) of every sampler program these layouts' full steps can need."""
-        return [(r, m) for r in self.sampler_rows(layouts) for m in SAMPLER_MODES]
 
     def compile_all(
         self, layouts: list[Layout] | None = None, moving: bool = False, show_progress: bool = True, threads: int = 1,

@@ -20,24 +20,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import logging
 import time
 from collections import Counter
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from splash_jax.kv.allocator import OutOfPages, pages_for_tokens
 from splash_jax.mesh.layouts import Layout, get_layout
-from splash_jax.switch.migration import (
-    PageChunk, PageMover, WeightResharder, chunk_buffer, drop_extra_segment, locate_copies, move_sentinel, pack_located,
-)
-from splash_jax.switch.copy_queue import PairQueues
+from splash_jax.switch.handle import SwitchHandle, SwitchState  # noqa: F401  (re-exported: tests, the engine)
+from splash_jax.switch.migration import PageMover, WeightResharder, drop_extra_segment
+from splash_jax.switch.page_copies import PageCopies
+from splash_jax.switch.weight_moves import WeightMoves, _delete_replaced
 from splash_jax.switch.programs import MOVER_LAYOUTS, handoff_chunk_pages, lower_extra_segment, weight_reshards
 
-SHARED_CODE = -1  # the request code of the switch's own copies (of pages several requests share)
 from splash_jax.switch.dst_tables import DestinationTables
 from splash_jax.switch.planner import (
     SwitchRefused,
@@ -53,65 +50,7 @@ from splash_jax.switch.planner import (
 log = logging.getLogger(__name__)
 
 
-class SwitchState(enum.Enum):
-    MIGRATING = "migrating"
-    DONE = "done"
-    CANCELLED = "cancelled"
-    REFUSED = "refused"
-
-
-@dataclasses.dataclass
-class SwitchHandle:
-    """What `engine.switch_layout` returns: progress now, metrics when done."""
-
-    src: str
-    dst: str
-    state: SwitchState = SwitchState.MIGRATING
-    reason: str | None = None
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-    finished: float | None = None
-    pages_planned: int = 0
-    pages_copied: int = 0
-    pages_at_handoff: int = 0  # copies the handoff itself ran (the rest rode inside steps)
-    catch_ups: int = 0  # background rounds for pages filled during the copies
-    weights_early: bool = False  # the changed weight leaves were resharded at the start, not the handoff
-    bytes_moved: int = 0
-    steps_overlapped: int = 0
-    handoff_s: float = 0.0
-    handoff_phases_ms: dict = dataclasses.field(default_factory=dict)  # where the handoff's host time went
-    preempted: list[str] = dataclasses.field(default_factory=list)
-    plan: dict = dataclasses.field(default_factory=dict)
-    _cancel: bool = False
-
-    def cancel(self) -> None:
-        """Ask to stop before handoff; the engine stays in the source layout."""
-        self._cancel = True
-
-    @property
-    def done(self) -> bool:
-        return self.state != SwitchState.MIGRATING
-
-    @property
-    def progress(self) -> float:
-        if self.done:
-            return 1.0
-        return self.pages_copied / self.pages_planned if self.pages_planned else 0.0
-
-    @property
-    def duration_s(self) -> float | None:
-        return None if self.finished is None else self.finished - self.started
-
-    def as_dict(self) -> dict:
-        return {
-            "src": self.src, "dst": self.dst, "state": self.state.value, "reason": self.reason,
-            "progress": self.progress, "pages_copied": self.pages_copied, "pages_at_handoff": self.pages_at_handoff,
-            "catch_ups": self.catch_ups, "weights_early": self.weights_early, "bytes_moved": self.bytes_moved,
-            "steps_overlapped": self.steps_overlapped, "duration_s": self.duration_s, "handoff_s": self.handoff_s,
-            "handoff_phases_ms": dict(self.handoff_phases_ms), "preempted": list(self.preempted), "plan": self.plan,
-        }
-
-
-class SwitchController:
+class SwitchController(PageCopies, WeightMoves):
     """Owns the migration programs (compiled at start-up) and the switch in progress."""
 
     def __init__(self, engine, chunk_pages: int = 8, plan_pages: int = 1024):
@@ -290,40 +229,6 @@ class SwitchController:
         self._dst_tables.record(plan.requests.values())
         return ready() > before
 
-    def step_moves(self):
-        """The page copies the next step carries ([N, 4*N*K] index buffer), or None."""
-        if self.active is None or not self.engine.executor.move_pages:
-            return None
-        handle, plan = self.active
-        if handle._cancel:
-            return None
-        located = self._take(plan)
-        if located.shape[1] == 0:
-            return None
-        (chunk,) = pack_located(located, self.engine.n, self.chunk_pages, move_sentinel(self.engine.allocator))
-        handle.steps_overlapped += 1
-        handle.pages_copied += chunk.count
-        handle.bytes_moved += chunk.count * self.engine.page_bytes
-        return chunk_buffer(chunk)
-
-    def empty_moves(self) -> np.ndarray:
-        """A moving step's index buffer that copies nothing (every receive slot dropped)."""
-        return chunk_buffer(self._empty_chunk(self.chunk_pages))
-
-    def _empty_chunk(self, k: int) -> PageChunk:
-        n = self.engine.n
-        zeros = np.zeros((n, n, k), np.int32)
-        return PageChunk(zeros, zeros, np.full((n, n, k), move_sentinel(self.engine.allocator), np.int32), zeros, 0)
-
-    def run_mover_once(self) -> None:
-        """Run the handoff mover of the current pool structure on a chunk that copies nothing (at
-        start-up, per layout): a program's first call takes jax's slow dispatch path (~2 ms on
-        the H200 host), which otherwise lands on the first real handoff."""
-        ex = self.engine.executor
-        mover = self.movers[ex.kv_abstract(ex.layout).num_segments]
-        chunk = self._empty_chunk(self.handoff_chunk_pages)
-        ex.apply_to_pool(lambda kv: mover(kv, chunk))
-
     # --- internals ---------------------------------------------------------------------------------
     def _plan_some(self, plan: TransitionPlan) -> None:
         """Plan the next requests in admission order, about `plan_pages` pages' worth (every page
@@ -350,70 +255,6 @@ class SwitchController:
                 )
         self._enqueue(plan)
         self._dst_tables.record(plan.requests.values())
-
-    def _has_pending(self, plan: TransitionPlan) -> bool:
-        """Copies still to run inside the steps (the held ones wait for the handoff)."""
-        return len(self._queue) > 0 or any(self._queued.get(rid, 0) < p.ready_copies for rid, p in plan.requests.items())
-
-    def _enqueue(self, plan: TransitionPlan, held_too: bool = False) -> None:
-        """Queue every copy planned since the last call that may run now (the held ones of partly
-        filled pages too if `held_too`: the handoff), located (one vectorized locate for all
-        requests), in admission order within each device pair."""
-        new, codes, counts = [], [], []
-        for rid, p in plan.requests.items():
-            have, upto = self._queued.get(rid, 0), (len(p.copies) if held_too else p.ready_copies)
-            if have >= upto:
-                continue
-            if rid not in self._codes:
-                self._codes[rid] = self._next_code
-                self._next_code += 1
-            new += p.copies[have:upto]
-            codes.append(self._codes[rid])
-            counts.append(upto - have)
-            self._queued[rid] = upto
-        shared = plan.shared.copies[self._shared_queued:]
-        if shared:  # copies of shared pages belong to the switch, not to a request: never dropped
-            new += shared
-            codes.append(SHARED_CODE)
-            counts.append(len(shared))
-            self._shared_queued = len(plan.shared.copies)
-        if new:
-            self._queue.add(locate_copies(new, self.engine.allocator), np.repeat(np.array(codes, np.int64), counts))
-
-    def _take(self, plan: TransitionPlan) -> np.ndarray:
-        """The next copies ([6, M] located): the first chunk_pages waiting for each device pair."""
-        self._enqueue(plan)
-        return self._queue.take(self.chunk_pages)
-
-    def _copy(self, handle: SwitchHandle, plan: TransitionPlan) -> None:
-        """Run every pending copy now with the standalone mover (handoff: the last few pages)."""
-        self._enqueue(plan, held_too=True)
-        pending = self._queue.take()
-        if pending.shape[1] == 0:
-            return
-        engine = self.engine
-        ex = engine.executor
-        mover = self.movers[ex.kv_abstract(ex.layout).num_segments]
-        for chunk in pack_located(pending, engine.n, self.handoff_chunk_pages, move_sentinel(engine.allocator)):
-            ex.apply_to_pool(lambda kv, chunk=chunk: mover(kv, chunk))
-        moved = pending.shape[1]
-        handle.pages_copied += moved
-        handle.pages_at_handoff += moved
-        handle.bytes_moved += moved * engine.page_bytes
-
-    def _reset_queue(self) -> None:
-        self._queue = PairQueues(self.engine.n)  # planned copies not yet run, per device pair
-        self._queued: dict[str, int] = {}  # per planned request: how many of its copies were queued
-        self._codes: dict[str, int] = {}  # per planned request: its code in the queues
-        self._next_code = 0
-        self._shared_queued = 0  # the switch's copies of shared pages queued so far
-
-    def _forget(self, rid: str) -> None:
-        """Drop a request's queued copies (it is no longer planned)."""
-        self._queued.pop(rid, None)
-        code = self._codes.pop(rid, None)
-        if code is not None:
-            self._queue.drop(code)
 
     def _drop_stale(self, plan: TransitionPlan) -> None:
         """Requests that finished or were preempted since planning (even if admitted again: their
@@ -612,67 +453,6 @@ class SwitchController:
             self._to_free = None
             handle.plan["pages_freed"] = self._free_pages(to_free)
 
-    def _must_wait_for_memory(self, plan: TransitionPlan, margin_bytes: int = 256 * 2**20) -> bool:
-        """True when the buffers the handoff allocates (resharded weight leaves, the extra
-        segment) might not fit next to those it frees (which stay allocated until the queued
-        steps finish): the least free device memory is below what they need plus a margin.
-        Backends without memory statistics (CPU) never wait."""
-        engine = self.engine
-        needed = 0 if self._prepared is not None else self._weight_bytes_needed(plan)
-        if plan.extra_segment == "add":
-            needed += engine.extra_pages * engine.page_bytes
-        if not needed:
-            return False
-        free = _least_free_device_bytes(engine.mesh)
-        return free is not None and free < needed + margin_bytes
-
-    def _room_for_both_weights(self, plan: TransitionPlan, margin_bytes: int = 1 << 30) -> bool:
-        """Whether the changed weight leaves can be resharded at the switch's start, living beside
-        their sources until the handoff: every device has room for them plus a margin (a gather
-        for DP needs the memory the dropped extra segment frees otherwise). Backends without
-        memory statistics (CPU) always have room."""
-        needed = self._weight_bytes_needed(plan)
-        if not needed:
-            return False
-        free = _least_free_device_bytes(self.engine.mesh)
-        return free is None or free >= needed + margin_bytes
-
-    def _weight_bytes_needed(self, plan: TransitionPlan) -> int:
-        """Bytes per device of the weight leaves the destination places differently."""
-        return sum(self._leaf_bytes(plan.dst, i) for i, _ in self._changed_leaves(plan.dst))
-
-    def _leaf_bytes(self, layout: Layout, i: int) -> int:
-        """Bytes per device of param leaf i as `layout` places it (cached: shapes never change)."""
-        key = (layout.name, i)
-        if key not in self._leaf_bytes_cache:
-            x = self.engine.executor.params[i]
-            self._leaf_bytes_cache[key] = _bytes_per_device(x, NamedSharding(self.engine.mesh, self._specs(layout)[i]))
-        return self._leaf_bytes_cache[key]
-
-    def _specs(self, layout: Layout) -> list:
-        """Every param leaf's spec under `layout` (cached: the paths never change; the rule lookups
-        took ~0.4 ms per handoff on the CPU mesh's host)."""
-        if layout.name not in self._spec_cache:
-            self._spec_cache[layout.name] = [layout.param_spec(path) for path, _ in self.engine.executor.param_items()]
-        return self._spec_cache[layout.name]
-
-    def _changed_leaves(self, dst: Layout) -> list:
-        """(index, spec under dst) of the param leaves `dst` places differently than they are now."""
-        params = self.engine.executor.params
-        return [(i, spec) for i, (x, spec) in enumerate(zip(params, self._specs(dst))) if x.sharding.spec != spec]
-
-    def _resharded_weights(self, dst: Layout, keep_sources: bool = False) -> list:
-        """The params as `dst` places them (one program for every leaf that changes, dispatched and
-        not waited for: the next step consumes them). The sources are deleted unless kept (a
-        reshard at the switch's start: the source layout's steps still read them)."""
-        out = list(self.engine.executor.params)
-        changed = self._changed_leaves(dst)
-        if changed:
-            new = self.resharder([out[i] for i, _ in changed], [spec for _, spec in changed], delete_sources=not keep_sources)
-            for (i, _), y in zip(changed, new):
-                out[i] = y
-        return out
-
     def _finish(self, handle: SwitchHandle, state: SwitchState) -> None:
         handle.state, handle.finished = state, time.perf_counter()
         self.active = None
@@ -683,28 +463,3 @@ class SwitchController:
         handle.reason = reason
         self._finish(handle, SwitchState.REFUSED)
         return handle
-
-
-def _delete_replaced(arrays: list[jax.Array], others: list[jax.Array]) -> None:
-    """Delete each of `arrays` that is not the same array as its counterpart in `others` (the
-    leaves a reshard replaced; unchanged leaves are shared by both lists)."""
-    for x, y in zip(arrays, others):
-        if x is not y:
-            x.delete()
-
-
-def _bytes_per_device(x: jax.Array, sharding: NamedSharding) -> int:
-    return int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
-
-
-def _least_free_device_bytes(mesh) -> int | None:
-    """min over the mesh's devices of (memory limit - in use), or None without statistics."""
-    free = []
-    for d in mesh.devices.flat:
-        if d.process_index != jax.process_index():
-            continue  # another host's device: that process decides for its own
-        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return min(free)
