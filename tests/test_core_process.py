@@ -93,3 +93,14 @@ def test_a_core_that_cannot_start_is_reported_with_its_error(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "cannot start:" in proc.stderr and str(missing) in proc.stderr.split("cannot start:")[1], proc.stderr[-3000:]
+
+
+def test_front_ends_draw_different_seeds_for_unseeded_requests():
+    """Two API servers over one core: unseeded sampled requests must not repeat each other's seeds."""
+    from splash_jax.engine.request import SamplingParams
+    from splash_jax.engine.request_factory import EngineFacts, RequestFactory
+
+    facts = EngineFacts(vocab_size=100, max_model_len=64, max_stop_token_ids=4, max_logit_bias=4, eos_ids=[1], model="")
+    seeds = [[RequestFactory(facts, None, stream=i).make([5, 6], SamplingParams(temperature=1.0)).sample_seed
+              for _ in range(4)] for i in range(3)]
+    assert len({s for row in seeds for s in row}) == 12

@@ -138,7 +138,7 @@ class EngineClient(OutputStreams):
         self.core = core  # the launcher owns the core process; other front ends only talk to it
         self.core_pid = core.pid if core is not None else core_pid
         self.on_core_death = on_core_death
-        self.requests_in = RequestFactory(facts, tokenizer)
+        self.requests_in = RequestFactory(facts, tokenizer, stream=index)
         self.outputs = OutputProcessor(tokenizer)
         self._lock = threading.Lock()  # the output processor, the streams, the push socket
         self._streams: dict[str, _Stream] = {}

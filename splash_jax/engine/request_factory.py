@@ -59,15 +59,17 @@ class EngineFacts:
 class RequestFactory:
     """Builds validated Requests (thread-safe: the server calls it from its tokenizer threads)."""
 
-    def __init__(self, facts: EngineFacts, tokenizer, grammars: Callable[[], object] | None = None):
-        """grammars: returns the GrammarCompiler that checks structured outputs (built lazily)."""
+    def __init__(self, facts: EngineFacts, tokenizer, grammars: Callable[[], object] | None = None, stream: int = 0):
+        """grammars: returns the GrammarCompiler that checks structured outputs (built lazily).
+        stream: this front end's index; each draws its own seeds for unseeded requests (front end
+        0 the engine's own sequence), so two API servers never hand out the same seeds."""
         self.facts = facts
         self.tokenizer = tokenizer
         self._grammars = grammars
         self._compiler = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._seeds = np.random.default_rng(facts.seed)
+        self._seeds = np.random.default_rng(facts.seed if stream == 0 else [facts.seed, stream])
 
     def grammars(self):
         if self._grammars is not None:
