@@ -101,6 +101,6 @@ def test_front_ends_draw_different_seeds_for_unseeded_requests():
     from splash_jax.engine.request_factory import EngineFacts, RequestFactory
 
     facts = EngineFacts(vocab_size=100, max_model_len=64, max_stop_token_ids=4, max_logit_bias=4, eos_ids=[1], model="")
-    seeds = [[RequestFactory(facts, None, stream=i).make([5, 6], SamplingParams(temperature=1.0)).sample_seed
-              for _ in range(4)] for i in range(3)]
+    factories = [RequestFactory(facts, None, stream=i) for i in range(3)]
+    seeds = [[f.make([5, 6], SamplingParams(temperature=1.0)).sample_seed for _ in range(4)] for f in factories]
     assert len({s for row in seeds for s in row}) == 12
