@@ -254,7 +254,8 @@ class AsyncEngine(OutputStreams):
         for loop, items in by_loop.items():
             self._post(loop, items)
         self._refresh_stats()
-        if self.engine.num_steps == steps_before:  # work, but none schedulable now: don't spin
+        inflight = getattr(self.engine, "has_inflight", lambda: False)()
+        if self.engine.num_steps == steps_before and not inflight:  # work, but none schedulable now: don't spin
             self._wake.wait(0.005)
             self._wake.clear()
 

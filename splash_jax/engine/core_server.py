@@ -61,12 +61,16 @@ class CoreServer:
 
     def _loop(self) -> None:
         try:
+            stalled = False  # the last step found work but nothing it could schedule: don't spin
             while not self.stopping:
-                busy = self.engine.has_work()
-                self._drain(0 if busy else (1 if self.compiling else int(STATS_INTERVAL_S * 1000)))
+                busy = self.engine.has_work() and not stalled
+                self._drain(0 if busy else (1 if self.compiling else 5 if stalled else int(STATS_INTERVAL_S * 1000)))
                 self._admit_compiled()
+                stalled = False
                 if self.engine.has_work():
+                    steps = self.engine.num_steps
                     self._step()
+                    stalled = self.engine.num_steps == steps and not self.engine.has_inflight()
                 now = time.monotonic()
                 if now - self._stats_time >= STATS_INTERVAL_S:
                     self._send_stats(now)

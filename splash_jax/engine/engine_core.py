@@ -264,6 +264,10 @@ class EngineCore(DeviceSteps):
         switching = self.switcher is not None and (self.switcher.active is not None or self.switcher.has_deferred_work)
         return self.scheduler.has_work() or inflight or bool(self._failed) or switching
 
+    def has_inflight(self) -> bool:
+        """A dispatched step whose tokens are not read back yet (overlapped scheduling)."""
+        return self._inflight is not None
+
     # --- one step ------------------------------------------------------------------------
     def run_every_program_once(self, full_sampler: bool = True) -> int:
         """Run each compiled program once on an all-padding step (engine/warmup.py)."""
