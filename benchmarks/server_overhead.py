@@ -54,7 +54,7 @@ def bare_steps(args, folder_args: list[str]) -> dict[int, dict]:
     return {row["batch"]: row for row in json.loads(path.read_text())["rows"]}
 
 
-def offline(args, folder, server_args: str) -> dict:
+def offline(args, server_args: str) -> dict:
     """The same largest-concurrency workload through the engine alone (benchmarks/offline.py: every
     request queued at once, max_num_seqs of them running): the output tok/s the server should reach."""
     before = set(RESULTS.glob("offline_*.json"))
@@ -153,7 +153,7 @@ def main(argv=None):
             while counters(base)["splash_api_servers"] < 2 and time.monotonic() < deadline:
                 time.sleep(0.5)
             rows.append(serve_cell(base, args, max(args.streams), 2, mix=False))
-    engine_alone = offline(args, folder, server_args)
+    engine_alone = offline(args, server_args)
     for row in rows:
         b = bare.get(row["streams"], {})
         row["engine_step_ms"], row["gpu_busy_ms"] = b.get("engine_ms"), b.get("gpu_busy_ms")

@@ -139,8 +139,8 @@ class AsyncEngine(OutputStreams):
         return await asyncio.wrap_future(self.call(fn))
 
     async def utility(self, name: str, *args) -> Any:
-        """A named core call (core_server.CALLS), as EngineClient makes it across processes."""
-        from splash_jax.engine.core_server import CALLS
+        """A named core call (core_wire.CALLS), as EngineClient makes it across processes."""
+        from splash_jax.engine.core_wire import CALLS
 
         if name not in CALLS:
             raise ValueError(f"the engine core has no call {name!r}")

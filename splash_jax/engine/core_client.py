@@ -207,7 +207,7 @@ class EngineClient(OutputStreams):
                     self._push_locked(wire.ABORT, wire.encode([(r, reason) for r in request_ids]))
 
     def call(self, name: str, *args) -> concurrent.futures.Future:
-        """Run a named core utility (CoreServer.call_<name>) between steps; its plain-data result."""
+        """Run a named core call (core_wire.CALLS) between steps; a future of its plain-data result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._dead is not None or self._closing:
             future.set_exception(EngineDeadError(self._dead or "the engine is not running"))
@@ -281,6 +281,7 @@ class EngineClient(OutputStreams):
     def _handle(self, kind: bytes, payload: bytes) -> None:
         if kind == wire.OUTPUTS:
             outs = wire.decode_outputs(payload)
+            failed = {o.request_id for o in outs if o.step_failed}  # raised in their streams, as in one process
             with self._lock:
                 deltas, stopped = self.outputs.process_all(outs)
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -291,10 +292,7 @@ class EngineClient(OutputStreams):
                     stream.last[out.request_id] = out
                     if out.finished:
                         del self._streams[out.request_id]
-                    if out.error is not None and out.finish_reason == "error" and not out.delta_token_ids:
-                        item = _Failure(EngineStepError(out.error), [out.request_id]) if _is_step_error(out.error) else out
-                    else:
-                        item = out
+                    item = _Failure(EngineStepError(out.error), [out.request_id]) if out.request_id in failed else out
                     by_loop.setdefault(stream.loop, []).append((stream, item))
                 if stopped:
                     with contextlib.suppress(EngineDeadError):
@@ -343,6 +341,3 @@ class EngineClient(OutputStreams):
         except RuntimeError:  # the caller's loop is closed: nobody listens
             pass
 
-
-def _is_step_error(message: str) -> bool:
-    return message.startswith("the engine step failed")

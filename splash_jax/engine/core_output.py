@@ -21,6 +21,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     top_logprobs: list[dict[int, float]] | None = None  # each token's top-n alternatives
     num_cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
     error: str | None = None  # why it failed (finish_reason "error")
+    step_failed: bool = False  # it failed because a device step failed (the front end raises EngineStepError)
     prompt_logprobs: list[float | None] | None = None  # on its first output only (vLLM's shape: None first)
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
 

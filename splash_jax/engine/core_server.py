@@ -63,8 +63,7 @@ class CoreServer:
         try:
             stalled = False  # the last step found work but nothing it could schedule: don't spin
             while not self.stopping:
-                busy = self.engine.has_work() and not stalled
-                self._drain(0 if busy else (1 if self.compiling else 5 if stalled else int(STATS_INTERVAL_S * 1000)))
+                self._drain(self._wait_ms(stalled))
                 self._admit_compiled()
                 stalled = False
                 if self.engine.has_work():
@@ -86,6 +85,14 @@ class CoreServer:
             self.grammar_pool.shutdown(wait=False, cancel_futures=True)
             log.info("engine loop stopped (engine core process)")
             self.ctx.destroy(linger=200)
+
+    def _wait_ms(self, stalled: bool) -> int:
+        """How long to wait for messages before the next step: not at all while steps run."""
+        if self.engine.has_work() and not stalled:
+            return 0
+        if self.compiling:
+            return 1  # a grammar is compiling: queue its request soon
+        return 5 if stalled else int(STATS_INTERVAL_S * 1000)
 
     def _drain(self, timeout_ms: int) -> None:
         """Every message waiting (blocking up to timeout_ms for the first)."""
@@ -166,7 +173,8 @@ class CoreServer:
             for request_id in list(self.owner):
                 if request_id not in waiting:
                     self.engine.abort(request_id, "error")
-                    outputs.append(CoreOutput(request_id, [], "error", error=f"the engine step failed: {type(e).__name__}: {e}"))
+                    outputs.append(CoreOutput(request_id, [], "error", error=f"the engine step failed: {type(e).__name__}: {e}",
+                                              step_failed=True))
         self._route(outputs)
 
     def _route(self, outputs: list[CoreOutput]) -> None:
@@ -220,9 +228,9 @@ class CoreServer:
                 self._route(getattr(self.engine, call.name)(*call.args))
                 value = None
             elif call.name == "stats":
-                value = {**CALLS["stats"](self.engine), **self._own_stats()}
-            elif call.name in CALLS:
-                value = CALLS[call.name](self.engine, *call.args)
+                value = {**wire.CALLS["stats"](self.engine), **self._own_stats()}
+            elif call.name in wire.CALLS:
+                value = wire.CALLS[call.name](self.engine, *call.args)
             else:
                 raise ValueError(f"the engine core has no call {call.name!r}")
             result = wire.CallResult(call.call_id, True, value)
@@ -240,19 +248,6 @@ def _send(sock, kind: bytes, payload: bytes) -> None:
         sock.send_multipart((kind, payload), flags=zmq.NOBLOCK, copy=False)
     except zmq.Again:
         pass
-
-
-# What a front end may ask the core between steps, by name (plain data in, plain data out): the
-# same table serves the in-process AsyncEngine.utility and the core process's CALL messages.
-CALLS = {
-    "stats": lambda engine: engine.stats(),
-    "switch_layout": lambda engine, dst, preempt=False: engine.switch_layout(dst, preempt).as_dict(),
-    "switch_done": lambda engine: engine.switch_done(),
-    "last_switch": lambda engine: engine.last_switch(),
-    "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
-    "set_prefix_caching": lambda engine, enabled: engine.set_prefix_caching(enabled),
-    "capacities": lambda engine: engine.capacities(),
-}
 
 
 def run_core_process(engine_config, input_address: str, ready, parent_pid: int, log_level: str = "info") -> None:

@@ -89,3 +89,16 @@ decode_new = msgspec.msgpack.Decoder(tuple[int, list[NewRequest]]).decode
 decode_call = msgspec.msgpack.Decoder(Call).decode
 decode_result = msgspec.msgpack.Decoder(CallResult).decode
 decode_any = msgspec.msgpack.Decoder().decode
+
+
+# What a front end may ask the core between steps, by name (plain data in, plain data out): the
+# same table serves the in-process AsyncEngine.utility and the core process's CALL messages.
+CALLS = {
+    "stats": lambda engine: engine.stats(),
+    "switch_layout": lambda engine, dst, preempt=False: engine.switch_layout(dst, preempt).as_dict(),
+    "switch_done": lambda engine: engine.switch_done(),
+    "last_switch": lambda engine: engine.last_switch(),
+    "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
+    "set_prefix_caching": lambda engine, enabled: engine.set_prefix_caching(enabled),
+    "capacities": lambda engine: engine.capacities(),
+}

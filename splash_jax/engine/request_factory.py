@@ -119,7 +119,8 @@ class RequestFactory:
         grammar = None
         if params.structured_outputs is not None:
             compiler = self.grammars()
-            grammar = compiler.matcher(params.structured_outputs) if with_matcher else compiler.grammar(params.structured_outputs)
-            if not with_matcher:
-                grammar = None  # checked; the core compiles its own matcher
+            if with_matcher:
+                grammar = compiler.matcher(params.structured_outputs)
+            else:
+                compiler.grammar(params.structured_outputs)  # raises if it does not compile; the core builds the matcher
         return Request(rid, ids, params, prompt_text=text, sample_seed=seed, cache_salt=cache_salt or None, grammar=grammar)
