@@ -20,6 +20,7 @@ from serve.context import ServerContext
 from serve.errors import error_body, install_error_handlers
 from serve.metrics import ServerMetrics
 from serve.outputs import TokenText
+from serve.reasoning import ReasoningMarkers
 from splash_jax.engine.async_engine import AsyncEngine
 from splash_jax.engine.core_client import EngineClient
 from splash_jax.paths import DEFAULT_MODEL
@@ -35,6 +36,7 @@ def build_app(engine: AsyncEngine | EngineClient, config: ServerConfig | None = 
     """The app; when the server stops (after open requests had their grace period) it also stops
     the engine loop, unless shutdown_engine is False (a notebook that keeps using the engine)."""
     config = config or ServerConfig()
+    markers = ReasoningMarkers.of(engine.tokenizer, config.reasoning_parser)  # ValueError: the parser cannot work here
     folder = model_folder(engine)
     metrics = ServerMetrics(engine.stats)
     pool = concurrent.futures.ThreadPoolExecutor(config.limits.tokenizer_threads, thread_name_prefix="splash-tokenize")
@@ -57,6 +59,8 @@ def build_app(engine: AsyncEngine | EngineClient, config: ServerConfig | None = 
         limits=config.limits,
         facts=engine.facts,
         pool=pool,
+        reasoning_parser=config.reasoning_parser,
+        reasoning_markers=markers,
     )
     install_error_handlers(app, on_error=lambda status: metrics.errors.labels(str(status)).inc())
     app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes, on_reject=lambda: metrics.errors.labels("413").inc())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from serve.reasoning import PARSERS
 from splash_jax.engine.config import add_dataclass_args, field_docs
 
 
@@ -38,6 +39,7 @@ class ServerConfig:
     graceful_shutdown_s: int = 10  # on SIGINT/SIGTERM: how long open requests may finish
     engine_process: bool = True  # run the engine core in its own process (off: on a thread of the server's)
     api_server_count: int = 1  # HTTP front-end processes sharing the port, all on one engine core process
+    reasoning_parser: str = "none"  # none | deepseek_r1 | deepseek_v3: split <think>...</think> into reasoning_content
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     @classmethod
@@ -57,6 +59,8 @@ class ServerConfig:
                            help=doc["engine_process"])
         group.add_argument("--api-server-count", type=int, default=cls.api_server_count,
                            help=doc["api_server_count"] + " (default: %(default)s)")
+        group.add_argument("--reasoning-parser", default=cls.reasoning_parser, choices=PARSERS,
+                           help=doc["reasoning_parser"] + " (default: %(default)s)")
         add_dataclass_args(parser.add_argument_group("request limits"), ServerLimits)
 
     @classmethod

@@ -17,7 +17,8 @@ from serve.config import ServerLimits
 from serve.errors import APIError, error_body, to_api_error
 from serve.metrics import ServerMetrics
 from serve.outputs import ChoiceAccumulator, ChoiceState, TokenText
-from serve.protocol import PromptTokensDetails, UsageInfo
+from serve.protocol import CompletionTokensDetails, PromptTokensDetails, UsageInfo
+from serve.reasoning import ReasoningMarkers
 from splash_jax.engine.async_engine import AsyncEngine
 from splash_jax.engine.core_client import EngineClient
 from splash_jax.engine.request_factory import EngineFacts
@@ -37,6 +38,8 @@ class ServerContext:
     limits: ServerLimits
     facts: EngineFacts
     pool: concurrent.futures.ThreadPoolExecutor  # tokenization, chat templates, echo decoding
+    reasoning_parser: str = "none"  # --reasoning-parser
+    reasoning_markers: ReasoningMarkers | None = None  # its <think> / </think> tokens (None: no parser)
 
     @property
     def vocab_size(self) -> int:
@@ -99,14 +102,17 @@ def sse(event: BaseModel) -> str:
     return f"data: {event.model_dump_json()}\n\n"
 
 
-def usage(requests: Sequence[Request], n: int, completion_tokens: int, cached_tokens: Mapping[str, int]) -> UsageInfo:
+def usage(requests: Sequence[Request], n: int, completion_tokens: int, cached_tokens: Mapping[str, int],
+          reasoning_tokens: int | None = None) -> UsageInfo:
     """Prompt tokens count once per prompt (not once per choice), as OpenAI does; so do the cached
     ones (`prompt_tokens_details.cached_tokens`): those of each prompt's first choice, the one whose
-    prompt tokens are counted. `cached_tokens`: request id -> its prompt tokens the prefix cache served."""
+    prompt tokens are counted. `cached_tokens`: request id -> its prompt tokens the prefix cache served.
+    reasoning_tokens: all choices' tokens inside reasoning blocks (None: no reasoning parser ran)."""
     firsts = requests[::n]
     prompt_tokens = sum(len(r.prompt_ids) for r in firsts)
     cached = sum(min(cached_tokens.get(r.request_id, 0), len(r.prompt_ids)) for r in firsts)
     return UsageInfo(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
     )

@@ -23,6 +23,7 @@ import jax
 from serve.app import build_app
 from serve.config import ServerConfig
 from serve.frontend import ExitOnCoreDeath, listen_socket, load_tokenizer, start_front_ends, stop_front_ends, uvicorn_server
+from serve.reasoning import ReasoningMarkers
 from splash_jax import distributed
 from splash_jax.distributed.config import DistributedConfig
 from splash_jax.engine.async_engine import AsyncEngine
@@ -30,6 +31,7 @@ from splash_jax.engine.config import EngineConfig
 from splash_jax.engine.core_client import CoreProcess, CoreStartError, EngineClient
 from splash_jax.engine.engine import Engine
 from splash_jax.kv.capacity import StartupMemoryError
+from splash_jax.paths import DEFAULT_MODEL
 
 log = logging.getLogger("serve")
 
@@ -62,9 +64,21 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--api-server-count must be >= 1")
     if server_config.api_server_count > 1 and not server_config.engine_process:
         raise SystemExit("--api-server-count > 1 needs the engine core in its own process (--engine-process)")
+    check_reasoning_parser(server_config, engine_config)
     if dist_config.enabled or not server_config.engine_process:
         return serve_in_process(server_config, engine_config, dist_config)
     serve_with_core_process(server_config, engine_config)
+
+
+def check_reasoning_parser(server_config: ServerConfig, engine_config: EngineConfig) -> None:
+    """Refuse a --reasoning-parser the model's tokenizer cannot serve before anything starts."""
+    if server_config.reasoning_parser == "none":
+        return
+    try:
+        ReasoningMarkers.of(load_tokenizer(engine_config.model or str(DEFAULT_MODEL)), server_config.reasoning_parser)
+    except ValueError as e:
+        log.error("cannot start: %s", e)
+        raise SystemExit(1) from None
 
 
 def serve_with_core_process(server_config: ServerConfig, engine_config: EngineConfig) -> None:

@@ -10,6 +10,7 @@ threads (`ServerContext.run_blocking`), never on the event loop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Iterable, Sequence
 
@@ -153,6 +154,26 @@ def check_chat(ctx, body: ChatCompletionRequest) -> None:
         raise _bad("top_logprobs needs logprobs set to true", "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise _bad(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", "top_logprobs")
+    check_template_kwargs(ctx, body.chat_template_kwargs)
+
+
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+
+
+def check_template_kwargs(ctx, kwargs: dict | None) -> None:
+    """chat_template_kwargs: names the template may read, bounded like a prompt; never the
+    variables the server itself passes."""
+    if not kwargs:
+        return
+    for name in kwargs:
+        if not name.isidentifier():
+            raise _bad(f"chat_template_kwargs: {name[:80]!r} is not a template variable name", "chat_template_kwargs")
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            raise _bad(f"chat_template_kwargs may not set {name!r} (the server passes it)", "chat_template_kwargs")
+    text = json.dumps(kwargs, ensure_ascii=False)
+    check_text("chat_template_kwargs", text)
+    if len(text) > ctx.limits.max_prompt_chars:
+        raise _bad(f"chat_template_kwargs exceed {ctx.limits.max_prompt_chars} characters", "chat_template_kwargs")
 
 
 def structured_outputs_of(ctx, body: SamplingFields) -> tuple[StructuredOutputs | None, str]:

@@ -47,11 +47,16 @@ class PromptTokensDetails(_Out):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(_Out):
+    reasoning_tokens: int = 0  # tokens inside reasoning blocks (--reasoning-parser), markers not counted
+
+
 class UsageInfo(_Out):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = _omitted_if_none()  # with a reasoning parser
 
 
 class StructuredOutputsParams(_Body):
@@ -183,6 +188,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (DeepSeek-V3.1: {"thinking": true})
+    include_reasoning: bool = True  # with a reasoning parser: false drops the reasoning from the answer
+    thinking_token_budget: int | None = None  # at most this many reasoning tokens, then the block is closed (vLLM's name)
 
 
 class TopLogprob(_Out):
@@ -213,6 +221,9 @@ class ToolCallOut(_Out):
 class ChatResponseMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # the reasoning block (--reasoning-parser), under vLLM's older name and its newer one
+    reasoning_content: str | None = _omitted_if_none()
+    reasoning: str | None = _omitted_if_none()
     tool_calls: list[ToolCallOut] | None = _omitted_if_none()
 
 
@@ -250,6 +261,8 @@ class ToolCallDelta(_Out):
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
+    reasoning_content: str | None = _omitted_if_none()
+    reasoning: str | None = _omitted_if_none()
     tool_calls: list[ToolCallDelta] | None = _omitted_if_none()
 
 

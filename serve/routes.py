@@ -20,6 +20,8 @@ from serve.protocol import (
     ChatCompletionRequest, CompletionRequest, LayoutInfo, LayoutRequest, LayoutSwitchResponse, ModelCard, ModelList,
     VersionInfo,
 )
+from serve.responses import create_response
+from serve.responses_protocol import ResponsesRequest
 from serve.tokenize import (
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize, tokenizer_info,
 )
@@ -74,6 +76,11 @@ async def completions(body: CompletionRequest, raw: Request, ctx: ServerContext 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
     return await create_chat_completion(ctx, body, raw)
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, raw: Request, ctx: ServerContext = Depends(get_ctx)) -> Response:
+    return await create_response(ctx, body, raw)
 
 
 # --- tokenizer (server root, as vLLM serves them) ------------------------------------------

@@ -86,11 +86,13 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL[ch] for ch in piece)
         return None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
-        """tools (OpenAI's tool objects) reach the template as `tools`, as transformers passes them."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                            **template_kwargs) -> str:
+        """tools (OpenAI's tool objects) reach the template as `tools`, as transformers passes them;
+        template_kwargs as further variables (DeepSeek-V3.1's `thinking`, Qwen3's `enable_thinking`)."""
         extra = {} if tools is None else {"tools": tools}
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            **template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
         )
 

@@ -99,23 +99,40 @@ CHAT_FIELDS = {
     "tools": either(st.sampled_from([None, []]), st.just([{"type": "function"}])),
 }
 
+item = st.one_of(message, st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": text, "output": text}),
+                 st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "input_image", "function_call"])}))
+RESPONSES_FIELDS = {  # /v1/responses: max_output_tokens is set below, so runs stay short
+    "input": either(st.one_of(text, st.lists(message, min_size=1, max_size=3)),
+                    st.one_of(BAD_TEXT, st.lists(item, min_size=1, max_size=3), st.sampled_from([[], 5, None]))),
+    "instructions": either(st.one_of(st.none(), text), st.sampled_from([5, SURROGATE])),
+    "text": either(st.sampled_from([None, {"format": {"type": "text"}}]),
+                   st.sampled_from([{"format": {"type": "xml"}}, {"format": {"type": "json_schema"}}, "t"])),
+    "tools": either(st.sampled_from([None, []]), st.sampled_from([[{"type": "web_search"}], [{"type": "function"}]])),
+    "previous_response_id": either(st.none(), st.just("resp_1")),
+    "store": st.booleans(),
+}
+
 
 @st.composite
 def requests(draw):
     """(method, path, body bytes, content type): mostly JSON with a random subset of fields."""
-    kind = draw(st.sampled_from(["completions"] * 12 + ["chat"] * 7 + ["raw"]))
+    kind = draw(st.sampled_from(["completions"] * 12 + ["chat"] * 7 + ["responses"] * 3 + ["raw"]))
     if kind == "raw":
         body = draw(st.sampled_from([b"{", b"[]", b"null", b'{"prompt": "x"', b"\xff\xfe", b"", b'{"prompt": 1e999}']))
         return draw(st.sampled_from(["POST", "GET", "PUT"])), "/v1/completions", body, "application/json"
-    fields = {**FIELDS, **(COMPLETION_FIELDS if kind == "completions" else CHAT_FIELDS)}
-    required = "prompt" if kind == "completions" else "messages"
+    own = {"completions": COMPLETION_FIELDS, "chat": CHAT_FIELDS, "responses": RESPONSES_FIELDS}[kind]
+    fields = {**FIELDS, **own}
+    required = {"completions": "prompt", "chat": "messages", "responses": "input"}[kind]
     chosen = draw(st.sets(st.sampled_from(sorted(fields)), max_size=8))
     body = {name: draw(fields[name]) for name in sorted(chosen | {required, "max_tokens"})}
+    if kind == "responses":
+        max_tokens = body.pop("max_tokens")
+        body["max_output_tokens"] = 2 if max_tokens is None else max_tokens
     if kind == "chat" and body.get("max_completion_tokens") is None and body["max_tokens"] is None:
         body["max_tokens"] = 2  # chat's default (the rest of the context) is too long for a fuzz run
     if draw(chance(1 / 20)):
         body.pop(required)  # a missing required field now and then
-    path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+    path = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}[kind]
     return "POST", path, json.dumps(body).encode(), draw(either(st.just("application/json"), st.just("text/plain"), 0.02))
 
 
@@ -130,6 +147,8 @@ def check_response(method: str, response: httpx.Response) -> None:
         if status == 405:
             assert response.headers["allow"] == "POST"
         return
+    if str(response.request.url).endswith("/v1/responses"):
+        return check_responses_answer(response)
     if response.headers["content-type"].startswith("text/event-stream"):
         events = [line[6:] for line in response.text.split("\n") if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", response.text[-300:]
@@ -146,6 +165,19 @@ def check_response(method: str, response: httpx.Response) -> None:
         body = response.json()
         assert body["choices"] and all(c["finish_reason"] in ("stop", "length") for c in body["choices"]), body
         assert sorted(c["index"] for c in body["choices"]) == list(range(len(body["choices"])))
+
+
+def check_responses_answer(response: httpx.Response) -> None:
+    """A 200 from /v1/responses: a whole response, or typed events ending with the whole response."""
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [json.loads(line[6:]) for line in response.text.split("\n") if line.startswith("data: ")]
+        assert events and all(e["type"] != "error" for e in events), response.text[-300:]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+        body = events[-1]["response"]
+    else:
+        body = response.json()
+    assert body["object"] == "response" and body["status"] in ("completed", "incomplete") and body["output"], body
 
 
 async def _send(app, batch) -> list[tuple[str, httpx.Response]]:

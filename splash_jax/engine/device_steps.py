@@ -22,6 +22,7 @@ from splash_jax.engine.request import Request, Status
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk
 from splash_jax.engine.step_packer import pack_step
+from splash_jax.structured.reasoning_gate import needs_masks
 
 log = logging.getLogger("splash_jax.engine.engine_core")
 
@@ -88,9 +89,11 @@ class DeviceSteps:
             bucket, expanded, packed = self._pack(chunks, expand=False)
         sampling = [c for c in chunks if c.samples]
         lp_chunks = [c for c in chunks if c.lp_start >= 0]
-        constrained = any(c.request.grammar is not None for c in sampling)
+        # num_generated - 1: the output position this step samples (one token: masked requests get no drafts)
+        constrained = any(needs_masks(c.request, c.request.num_generated - 1) for c in sampling)
         try:
-            full = bool(lp_chunks) or any(needs_full(c.request.params) for c in chunks)
+            # a masked step samples in the full sampler (the mask input), even if its rows are greedy
+            full = bool(lp_chunks) or constrained or any(needs_full(c.request.params) for c in chunks)
             mode = FULL_MODE
             if full:
                 mode = SamplerMode.serving(c.request.params for c in chunks)

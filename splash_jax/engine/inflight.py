@@ -14,6 +14,7 @@ from splash_jax.engine.request import Request
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode
 from splash_jax.engine.scheduler import ScheduledChunk
 from splash_jax.structured.masks import MaskBuilder
+from splash_jax.structured.reasoning_gate import mask_row
 
 
 @dataclasses.dataclass
@@ -31,7 +32,8 @@ class InFlight:
 
 
 class GrammarMasks:
-    """Fills the masks of a step's grammar rows from their grammars as the host has them: on its
+    """Fills the masks of a step's grammar rows from their grammars as the host has them (or the
+    reasoning gate's: all ones while reasoning, only the end token once the budget is spent): on its
     own thread when the caller overlaps (llguidance releases the GIL, so the engine thread
     schedules and packs the next step meanwhile), else at once."""
 
@@ -41,9 +43,16 @@ class GrammarMasks:
 
     def start(self, step: InFlight, threaded: bool) -> None:
         rows = step.logits.logits.shape[0]
-        matchers = [(c.request.grammar, row) for c, row in zip((c for c in step.chunks if c.samples), step.rows)
-                    if c.request.grammar is not None and not c.request.is_finished]
-        step.mask = self._thread.submit(self.builder.fill, rows, matchers) if threaded else self.builder.fill(rows, matchers)
+        matchers, forced = [], []  # (matcher, row); (row, the only allowed token: a spent reasoning budget)
+        for c, row in zip((c for c in step.chunks if c.samples), step.rows):
+            if not c.request.is_finished:
+                m = mask_row(c.request)
+                if isinstance(m, int):
+                    forced.append((row, m))
+                elif m is not None:
+                    matchers.append((m, row))
+        fill = self.builder.fill
+        step.mask = self._thread.submit(fill, rows, matchers, forced) if threaded else fill(rows, matchers, forced)
 
     def take(self, step: InFlight) -> np.ndarray:
         """The step's masks (waiting for their fill), handed over once."""

@@ -63,6 +63,10 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; 0 = chosen token only; n = plus top-n alternatives
     prompt_logprobs: int | None = None  # None = off; n: each prompt token's logprob plus the top-n (vLLM's name)
     structured_outputs: "StructuredOutputs | None" = None  # what the output must match (JSON schema, regex, ...)
+    # The output begins inside a reasoning block ending with this token: the grammar applies from
+    # the token after it (structured/reasoning_gate.py).
+    reasoning_end_token_id: int | None = None
+    thinking_token_budget: int | None = None  # at most this many reasoning tokens, then the end token is forced (vLLM's name)
 
     @property
     def uses_penalties(self) -> bool:
@@ -113,6 +117,15 @@ class SamplingParams:
                 bad("logit_bias", f"key {t!r} is not a token id of the vocabulary (size {vocab_size})")
             if not _is_number(v) or not -100.0 <= v <= 100.0:
                 bad("logit_bias", f"value for token {t} must be in [-100, 100], got {v!r}")
+        end = self.reasoning_end_token_id
+        if end is not None and (not _is_int(end) or not 0 <= end < vocab_size):
+            bad("reasoning_end_token_id", f"must be a token id of the vocabulary (size {vocab_size}), got {end!r}")
+        budget = self.thinking_token_budget
+        if budget is not None:
+            if not _is_int(budget) or budget < 0:
+                bad("thinking_token_budget", f"must be an integer >= 0, got {budget!r}")
+            if end is None:
+                bad("thinking_token_budget", "needs reasoning_end_token_id (the token that ends the reasoning block)")
 
 
 class Status(enum.Enum):
@@ -167,6 +180,7 @@ class Request:
     admissions: int = 0  # times admitted (a preempted request is admitted again)
     cacheable: bool = True  # False: its pages hold no real latents (benchmarks' admit_cached)
     grammar: object = None  # llguidance.LLMatcher of params.structured_outputs, advanced as tokens reach the host
+    reasoning_end: int = -1  # index in output_ids of params.reasoning_end_token_id once sampled (-1: not yet)
     prompt_lp_next: int = 0  # prompt logprobs: the next position whose logits a step returns
     prompt_lps: list = dataclasses.field(default_factory=list)  # entry p: logprob of prompt token p + 1
     prompt_tops: list = dataclasses.field(default_factory=list)  # entry p: its top-n alternatives {id: logprob}

@@ -47,6 +47,7 @@ from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.page_table import PageTables
 from splash_jax.kv.placement import Placement
 from splash_jax.kv.prefix_cache import CacheStats, PrefixCache
+from splash_jax.structured.reasoning_gate import after_token
 
 log = logging.getLogger(__name__)
 
@@ -487,11 +488,12 @@ class Scheduler:
                 yield self._apply(request, token, r)
 
     def _apply(self, request: Request, token: int, row: int) -> TokenUpdate:
-        """Append one sampled token and apply the token-level stops."""
+        """Append one sampled token, feed it to the grammar unless it is reasoning (reasoning_gate:
+        its state moves here with output_ids) and apply the token-level stops."""
         request.output_ids.append(token)
         p = request.params
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
-        reason = advance_grammar(request, token) if request.grammar is not None else None
+        reason = advance_grammar(request, token) if after_token(request, token) else None
         if reason is None and stop_token and len(request.output_ids) >= p.min_tokens:
             reason, request.stop_reason = "stop", (token if token in p.stop_token_ids else None)
         elif reason is None and len(request.output_ids) >= p.max_tokens or request.num_known >= self.max_model_len:

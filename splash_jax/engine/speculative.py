@@ -19,8 +19,8 @@ SGLang's n-gram method) or from the checkpoint's multi-token-prediction layer (`
 device computes them right after each step, engine/mtp_draft.py, and they reach the host with the
 step's tokens). Requests that speculation cannot serve exactly with these programs run
 one token per step: penalties (the step's penalty history would count rejected drafts), grammars
-(a mask per draft position needs the grammar advanced through the drafts), and requests still
-owed prompt logprobs.
+and reasoning budgets (a mask per draft position needs the grammar advanced through the drafts;
+a draft may cross the budget), and requests still owed prompt logprobs.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import dataclasses
 import numpy as np
 
 from splash_jax.engine.request import Request
+from splash_jax.structured.reasoning_gate import needs_masks
 
 METHODS = ("off", "ngram", "mtp")
 
@@ -37,7 +38,7 @@ METHODS = ("off", "ngram", "mtp")
 def can_speculate(request: Request) -> bool:
     """Whether drafts for `request` keep its outputs exactly as without speculation (see above)."""
     p = request.params
-    return (request.num_pending == 0 and request.grammar is None and not p.uses_penalties
+    return (request.num_pending == 0 and not needs_masks(request) and not p.uses_penalties
             and not request.wants_prompt_logprobs)
 
 

@@ -28,10 +28,15 @@ class MaskBuilder:
     def open(self, rows: int) -> np.ndarray:
         return np.full((rows, self.words), -1, np.int32)
 
-    def fill(self, rows: int, matchers: list) -> np.ndarray:
-        """The [rows, words] mask with each (matcher, row) filled from its grammar's state."""
+    def fill(self, rows: int, matchers: list, forced: list = ()) -> np.ndarray:
+        """The [rows, words] mask with each (matcher, row) filled from its grammar's state and
+        each (row, token) of `forced` allowing only that token (a spent reasoning budget)."""
         t = time.perf_counter()
         mask = self.open(rows)
+        bits = mask.view(np.uint32)
+        for row, token in forced:
+            bits[row] = 0
+            bits[row, token >> 5] = 1 << (token & 31)
         if matchers:
             import llguidance  # only structured outputs need it
             from llguidance.numpy import fill_next_token_bitmask_par
@@ -41,7 +46,7 @@ class MaskBuilder:
             fill_next_token_bitmask_par(self._executor, matchers, mask)
         self.seconds += time.perf_counter() - t
         self.num_fills += 1
-        self.num_rows += len(matchers)
+        self.num_rows += len(matchers) + len(forced)
         return mask
 
     def summary(self) -> dict:
