@@ -48,6 +48,8 @@ def bare_steps(args, folder_args: list[str]) -> dict[int, dict]:
            "--contexts", str(args.context), "--sampling", "greedy", "--no-sync", "--steps", str(args.steps),
            "--kv-memory-gb", str(args.kv_memory_gb), "--max-num-seqs", str(max(args.streams)),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
+    if args.unroll_max_tokens is not None:
+        cmd += ["--unroll-max-tokens", str(args.unroll_max_tokens)]
     log.info("bare engine: %s", shlex.join(cmd))
     subprocess.run(cmd, check=True)
     path = max(set(RESULTS.glob("decode_roofline_*.json")) - before, key=lambda p: p.stat().st_mtime)
@@ -123,6 +125,8 @@ def main(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--server-args", default="", help="more flags for both servers")
+    p.add_argument("--unroll-max-tokens", type=int, default=None,
+                   help="the engine flag, for the bare step, the servers and the engine alone (default: the engine's)")
     p.add_argument("--no-api-server-2", action="store_true", help="skip the --api-server-count 2 server")
     p.add_argument("--client-processes", type=int, default=4, help="benchmark client processes at 32 streams and more")
     p.add_argument("--in-process", action="store_true", help="also serve with --no-engine-process (api_servers 0 rows)")
@@ -138,6 +142,8 @@ def main(argv=None):
     server_args = (f"--model {folder} --load-format dummy --max-num-seqs {max(args.streams)} "
                    f"--max-num-batched-tokens {args.max_num_batched_tokens} --kv-memory-gb {args.kv_memory_gb} "
                    f"--max-model-len {args.max_model_len} {args.server_args}")
+    if args.unroll_max_tokens is not None:
+        server_args += f" --unroll-max-tokens {args.unroll_max_tokens}"
     rows = []
     with serving.launched_server(server_args, 1800) as base:
         for streams in args.streams:
