@@ -315,7 +315,12 @@ def test_small_scanned_gpu_steps_get_xlas_unrolled_layer_loop():
     assert set(UNROLLED_GPU_OPTIONS) <= set(OPTIONAL_OPTIONS)  # an XLA without it still compiles
 
     ex = StepExecutor.__new__(StepExecutor)
-    ex.unroll_max_tokens = 8
+    ex.unroll_max_tokens, ex.fused_max_tokens = 8, 8
     assert [ex.unrolled(Bucket(requests=r, tokens=t)) for r, t in ((1, 8), (8, 8), (8, 16))] == [True, True, False]
+    # programs that hand their logits to a sampler program keep the loop above the fused buckets
+    ex.unroll_max_tokens = 64
+    sizes = (8, 16, 64, 128)
+    assert [ex.unrolled(Bucket(requests=t, tokens=t)) for t in sizes] == [True, True, True, False]
+    assert [ex.unrolled(Bucket(requests=t, tokens=t), logits=True) for t in sizes] == [True, False, False, False]
     with pytest.raises(ValueError, match="unroll-max-tokens"):
         EngineConfig(unroll_max_tokens=-1).validate()

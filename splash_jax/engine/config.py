@@ -102,9 +102,11 @@ class EngineConfig:
     # Scanned GPU step programs of buckets with at most this many token slots get their layer loop
     # unrolled by XLA at compile time: one CUDA graph per step instead of a launch and a graph
     # update per layer, so the launch of a small step no longer decides its latency
-    # (executor.UNROLLED_GPU_OPTIONS, docs/kernels.md). Bigger steps keep the loop (their launch
-    # hides behind the device's work). 0: never.
-    unroll_max_tokens: int = 8
+    # (executor.UNROLLED_GPU_OPTIONS, docs/kernels.md). 64: at 64 streams on an H200 (V2-Lite) the
+    # core's CPU per step fell from 0.78x to 0.49x the GPU step and output tok/s rose 4.6% (one
+    # machine, one run: docs/performance.md). Programs that hand logits to a sampler program stay
+    # scanned above the fused buckets (executor.unrolled). Bigger steps keep the loop. 0: never.
+    unroll_max_tokens: int = 64
     # Full steps (random draws, logprobs, penalties) of buckets with at most this many token slots
     # sample inside the step program (one fused program per bucket and sampler mode) instead of
     # handing their logits to a sampler program: one launch per step, and no program between two

@@ -49,7 +49,7 @@ from splash_jax.engine.compile_options import (  # noqa: F401  (re-exported: tes
 from splash_jax.engine.program_memory import ProgramMemory, slow_compile_watch
 from splash_jax.engine.sampler_programs import SamplerPrograms
 from splash_jax.engine.step_programs import (  # noqa: F401  (re-exported: the engine, AOT, tests)
-    Bucket, StepLogits, StepResult, auto_compile_threads, bucket_ladder, layout_step, param_path, param_specs, program_name,
+    Bucket, StepLogits, StepResult, auto_compile_threads, bucket_ladder, layout_step, logits_key, param_path, param_specs, program_name,
     sampler_name, step_executor_args,
 )
 from splash_jax.engine.penalties import PenaltyState, update_history
@@ -328,9 +328,15 @@ class StepExecutor(SamplerPrograms):
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
         return fn.lower(*args)
 
-    def unrolled(self, bucket: Bucket) -> bool:
-        """Whether this bucket's step programs have their layer loop unrolled by XLA."""
-        return bucket.tokens <= self.unroll_max_tokens
+    def unrolled(self, bucket: Bucket, logits: bool = False) -> bool:
+        """Whether this bucket's step programs have their layer loop unrolled by XLA. logits: the
+        program hands its logits to a sampler program (full, not fused); such programs keep the
+        loop above the fused buckets: with a sampler program between two unrolled steps XLA
+        re-recorded the step's whole CUDA graph on the host every call (V2-Lite, one H200, 64
+        streams with 25% JSON-schema requests: the core's CPU 9.4 ms per 9.5 ms step, TPOT 1.14x
+        the bare step), where the scanned loop's graphs are per layer (docs/performance.md)."""
+        limit = min(self.unroll_max_tokens, self.fused_max_tokens) if logits else self.unroll_max_tokens
+        return bucket.tokens <= limit
 
     def _compile(self, lowered, expanded: bool = False, unrolled: bool = False, name: str | None = None):
         """Compile with the step options (dropping any this XLA refuses); `name` (program_name):
@@ -394,7 +400,7 @@ class StepExecutor(SamplerPrograms):
         ) as bar:
             if workers == 1:  # lower and compile one program at a time
                 for key in todo:
-                    program = self._build(key, lambda key=key: self._compile(self.lower(*key), key[4], self.unrolled(key[1]),
+                    program = self._build(key, lambda key=key: self._compile(self.lower(*key), key[4], self.unrolled(key[1], logits_key(key)),
                                                                                      program_name(*key)))
                     if program is not None:
                         self._compiled[(key[0].name, *key[1:])] = program
@@ -412,7 +418,8 @@ class StepExecutor(SamplerPrograms):
                         if lowered is None:
                             bar.update()
                         else:
-                            futures[pool.submit(self._compile, lowered, key[4], self.unrolled(key[1]), program_name(*key))] = key
+                            futures[pool.submit(self._compile, lowered, key[4], self.unrolled(key[1], logits_key(key)),
+                                               program_name(*key))] = key
                 finally:
                     threading.stack_size(previous)
                 with pool:
@@ -444,7 +451,7 @@ class StepExecutor(SamplerPrograms):
         if program is None:  # only without warm-up; compiles once per bucket
             try:
                 program = self._compiled[key] = self._compile(self.lower(layout, bucket, moving, full, expanded, mode),
-                                                                    expanded, self.unrolled(bucket),
+                                                                    expanded, self.unrolled(bucket, full and mode is None),
                                                                     program_name(layout, bucket, moving, full, expanded, mode))
             except Exception as e:
                 if expanded:  # this step fails (the engine recovers); later ones pack absorbed

@@ -98,7 +98,7 @@ def measure_programs(executor, layouts, threads: int = 1) -> dict[str, int]:
     rows (its sort of the vocabulary can outgrow a small-budget step), each compiled (not kept) on
     `executor`, normally one over a one-page abstract pool. An expanded variant that does not build
     is measured in its plain form, which the engine will then run."""
-    from splash_jax.engine.executor import COMPILE_THREAD_STACK, program_name, sampler_name
+    from splash_jax.engine.executor import COMPILE_THREAD_STACK, logits_key, program_name, sampler_name
 
     def lowered(key):
         try:
@@ -111,12 +111,12 @@ def measure_programs(executor, layouts, threads: int = 1) -> dict[str, int]:
 
     def compiled(key, low):
         try:
-            program = executor._compile(low, key[4], executor.unrolled(key[1]))
+            program = executor._compile(low, key[4], executor.unrolled(key[1], logits_key(key)))
         except Exception:  # noqa: BLE001
             if not key[4]:
                 raise
             key = key[:4] + (False, None)
-            program = executor._compile(executor.lower(*key), False, executor.unrolled(key[1]))
+            program = executor._compile(executor.lower(*key), False, executor.unrolled(key[1], logits_key(key)))
         mem = program.memory_analysis()
         return (working_bytes(mem) if mem is not None else 0), program_name(*key)
 

@@ -51,6 +51,12 @@ def mode_name(mode: SamplerMode) -> str:
     return "+".join(fields) or "plain"
 
 
+def logits_key(key: tuple) -> bool:
+    """Whether the program of a program key (layout, bucket, moving, full, expanded, mode) returns
+    its logits to a sampler program: full and not a fused variant."""
+    return bool(key[3]) and key[5] is None
+
+
 def program_name(layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
                  mode: SamplerMode | None = None) -> str:
     """A step program's name from its key, e.g. "tp/t8r8/full+fused-filter" (logs, stats, AOT reports)."""
