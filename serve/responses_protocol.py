@@ -163,45 +163,38 @@ class OutputItemEvent(_Event):
     item: OutputItem
 
 
-class ContentPartEvent(_Event):
-    type: Literal["response.content_part.added", "response.content_part.done"]
+class _PartEvent(_Event):
+    """An event about one content part of one output item."""
+
     item_id: str
     output_index: int
     content_index: int = 0
+
+
+class ContentPartEvent(_PartEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
     part: OutputText
 
 
-class OutputTextDeltaEvent(_Event):
+class OutputTextDeltaEvent(_PartEvent):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
     logprobs: list[dict] = Field(default_factory=list)
 
 
-class OutputTextDoneEvent(_Event):
+class OutputTextDoneEvent(_PartEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
     logprobs: list[dict] = Field(default_factory=list)
 
 
-class ReasoningTextDeltaEvent(_Event):
+class ReasoningTextDeltaEvent(_PartEvent):
     type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
 
 
-class ReasoningTextDoneEvent(_Event):
+class ReasoningTextDoneEvent(_PartEvent):
     type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
 
 

@@ -11,16 +11,21 @@ import asyncio
 import json
 import random
 
-import httpx
 import jsonschema
 import openai
 import pytest
-
+from app_client import run_client
 from reasoning_model import END_THINK, THINK, make_reasoning_model
+
 from serve.answer import AnswerParser
 from serve.app import build_app
 from serve.config import ServerConfig
-from serve.reasoning import ReasoningMarkers, ReasoningParser, split_whole, starts_in_reasoning
+from serve.reasoning import (
+    ReasoningMarkers,
+    ReasoningParser,
+    split_whole,
+    starts_in_reasoning,
+)
 from splash_jax.engine import Engine, EngineConfig
 from splash_jax.engine.async_engine import AsyncEngine
 from splash_jax.tokenizer import Tokenizer
@@ -122,12 +127,8 @@ def apps(model_dir):
 
 
 def run(app, fn):
-    async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=300)
-        async with http:
-            return await fn(openai.AsyncOpenAI(base_url="http://t/v1", api_key="unused", http_client=http, max_retries=0))
-
-    return asyncio.run(main())
+    """fn(openai client) run against the app in-process."""
+    return run_client(app, fn)
 
 
 def _kw(**extra):

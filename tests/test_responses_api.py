@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import jsonschema
 import openai
 import pydantic
 import pytest
+from app_client import run_client
 
 from serve.app import build_app
 from serve.config import ServerConfig
@@ -46,14 +46,7 @@ def app():
 
 def run(app, fn):
     """fn(openai client, raw httpx client) run against the app in-process."""
-
-    async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=300)
-        async with http:
-            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="unused", http_client=http, max_retries=0)
-            return await fn(client, http)
-
-    return asyncio.run(main())
+    return run_client(app, fn, raw=True)
 
 
 async def _streamed(client, **kw) -> list:

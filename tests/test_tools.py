@@ -10,12 +10,12 @@ import json
 import random
 import shutil
 
-import httpx
 import jsonschema
 import llguidance
 import openai
 import pytest
 
+from app_client import run_client
 from serve.app import build_app
 from serve.config import ServerConfig
 from serve.protocol import ChatCompletionRequest
@@ -268,13 +268,7 @@ def app():
 
 def run(app, fn):
     """fn(openai client) run against the app in-process."""
-
-    async def main():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=300)
-        async with http:
-            return await fn(openai.AsyncOpenAI(base_url="http://t/v1", api_key="unused", http_client=http, max_retries=0))
-
-    return asyncio.run(main())
+    return run_client(app, fn)
 
 
 @pytest.mark.parametrize("change, param", [
