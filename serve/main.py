@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing.connection
+import tempfile
 import threading
 
 import jax
@@ -23,6 +24,7 @@ import jax
 from serve.app import build_app
 from serve.config import ServerConfig
 from serve.frontend import ExitOnCoreDeath, listen_socket, load_tokenizer, start_front_ends, stop_front_ends, uvicorn_server
+from serve.metrics import share_between_processes
 from serve.reasoning import ReasoningMarkers
 from splash_jax import distributed
 from splash_jax.distributed.config import DistributedConfig
@@ -93,6 +95,9 @@ def serve_with_core_process(server_config: ServerConfig, engine_config: EngineCo
     client = EngineClient(core.address, core.facts, load_tokenizer(core.facts.model), index=0, core=core,
                           on_core_death=on_death)
     count = server_config.api_server_count
+    shared_metrics = tempfile.TemporaryDirectory(prefix="splash-metrics-") if count > 1 else None
+    if shared_metrics is not None:  # /metrics sums every front end's request metrics
+        share_between_processes(shared_metrics.name)
     sock = listen_socket(server_config.host, server_config.port, reuse_port=count > 1)
     others = start_front_ends(server_config, core.address, core.facts, core.pid)
     app = build_app(client, server_config)
@@ -109,6 +114,8 @@ def serve_with_core_process(server_config: ServerConfig, engine_config: EngineCo
         watch.stop()
         stop_front_ends(others, server_config.graceful_shutdown_s + 5)
         client.shutdown()  # stops the core too (already done by the app's lifespan unless start-up failed)
+        if shared_metrics is not None:
+            shared_metrics.cleanup()
     log.info("server stopped")
     if on_death.code:
         raise SystemExit(on_death.code)

@@ -1,14 +1,20 @@
 """Prometheus metrics: per-request counters and latency histograms kept by the server, plus
 engine gauges read from the engine's stats snapshot at scrape time (never from the engine
-thread's live state, so a scrape never waits for a step)."""
+thread's live state, so a scrape never waits for a step).
+
+With several front ends (--api-server-count N) each keeps its request metrics in files under one
+directory (prometheus_client's multiprocess mode, as vLLM does), and whichever front end answers
+/metrics sums them: the counters and histograms are the server's, not one process's."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -17,6 +23,16 @@ from splash_jax.engine.request import Request, RequestOutput
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's name for the shared directory
+
+
+def share_between_processes(directory: str) -> None:
+    """From now on, request metrics made in this process and in processes it spawns live in files
+    under `directory` (an empty directory, removed by the caller when the server stops). Call
+    before the first ServerMetrics: spawned front ends read the variable when they import
+    prometheus_client; this process has imported it already, so its value class is set here."""
+    os.environ[SHARED_DIR_ENV] = directory
+    values.ValueClass = values.MultiProcessValue()
 
 
 class MonotonicCounters:
@@ -131,10 +147,17 @@ class ServerMetrics:
         self.ttft = Histogram("splash_time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("splash_time_per_output_token_seconds", "Mean time per token after the first", buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("splash_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=r)
-        r.register(EngineStatsCollector(stats))
+        engine = EngineStatsCollector(stats)
+        r.register(engine)
+        self.scraped = r
+        shared = os.environ.get(SHARED_DIR_ENV)
+        if shared:  # every front end's request metrics, summed, and the core's figures
+            self.scraped = CollectorRegistry()
+            MultiProcessCollector(self.scraped, path=shared)
+            self.scraped.register(engine)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.scraped)
 
     def track(self, requests: Sequence[Request]) -> "RequestTracker":
         return RequestTracker(self, requests)

@@ -1,5 +1,5 @@
-"""Faults around the engine core process (`python -m serve.main`, bundled model, 2 front ends):
-a front end that dies has its requests aborted and their pages freed in the core; a core that
+"""The engine core process with 2 front ends (`python -m serve.main`, bundled model): /metrics
+counts every front end's requests whichever answers; a front end that dies has its requests aborted and their pages freed in the core; a core that
 dies (kill -9) ends every open stream with an error event at once and the server exits non-zero;
 a core that cannot start is reported with its own error."""
 
@@ -44,6 +44,27 @@ async def _stream(base: str, started: asyncio.Event | None = None) -> str:
     return "dropped"
 
 
+def _every_scrape_counts_every_front_ends_requests(srv) -> None:
+    """Requests on connections of their own (the kernel spreads them over both front ends), then
+    /metrics on new connections: each answer, whichever front end gives it, counts all of them."""
+    n = 12
+
+    async def send():
+        async def one(i):
+            async with httpx.AsyncClient(base_url=srv.base, timeout=60) as http:
+                r = await http.post("/v1/completions", json={"model": "splash-tiny", "prompt": f"n{i}", "max_tokens": 3,
+                                                             "ignore_eos": True, "temperature": 0})
+                assert r.status_code == 200, r.text
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+    asyncio.run(send())
+    for _ in range(8):
+        text = httpx.get(srv.base + "/metrics", headers={"connection": "close"}).text
+        assert re.search(rf'^splash_requests_total{{finish_reason="length"}} {n}\.0$', text, re.M), text[-2000:]
+        assert re.search(rf"^splash_time_to_first_token_seconds_count {n}\.0$", text, re.M)
+        assert re.search(r"^splash_generation_tokens_total 36\.0$", text, re.M)
+
+
 def test_a_dead_front_end_frees_its_requests_and_a_dead_core_ends_every_stream(tmp_path):
     srv = Server(tmp_path / "server.log", ("--api-server-count", "2"))
     try:
@@ -52,6 +73,7 @@ def test_a_dead_front_end_frees_its_requests_and_a_dead_core_ends_every_stream(t
         while srv.metric("splash_api_servers", 0) < 2:  # the second front end connects after the port opens
             assert time.monotonic() < deadline, srv.tail()
             time.sleep(0.2)
+        _every_scrape_counts_every_front_ends_requests(srv)
         front_end = _pid(srv.tail(100_000), r"front end 1 \(pid (\d+)\) connected")
         core = _pid(srv.tail(100_000), r"engine core starting \(pid (\d+)\)")
 
