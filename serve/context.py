@@ -21,6 +21,7 @@ from serve.protocol import CompletionTokensDetails, PromptTokensDetails, UsageIn
 from serve.reasoning import ReasoningMarkers
 from splash_jax.engine.async_engine import AsyncEngine
 from splash_jax.engine.core_client import EngineClient
+from splash_jax.engine.output_streams import EngineStepError
 from splash_jax.engine.request_factory import EngineFacts
 from splash_jax.engine.request import Request, RequestOutput, SamplingLimits
 
@@ -73,12 +74,16 @@ class ServerContext:
         return {r.request_id: ChoiceState(i) for i, r in enumerate(requests)}
 
     async def outputs(self, requests: Sequence[Request]) -> AsyncIterator[RequestOutput]:
-        """The requests' outputs as they come, counted in the metrics; closing it aborts them."""
+        """The requests' outputs as they come, counted in the metrics; closing it aborts them. A
+        request the engine failed (finish reason "error": two failed device steps, a grammar dead
+        end) raises EngineStepError with its reason: a 500, or an error event in a stream."""
         tracker = self.metrics.track(requests)
         try:
             async with contextlib.aclosing(self.engine.generate_many(requests)) as stream:
                 async for out in stream:
                     tracker.observe(out)
+                    if out.finished and out.finish_reason == "error":
+                        raise EngineStepError(out.error or "the engine failed this request")
                     yield out
         finally:
             tracker.close()

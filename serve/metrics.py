@@ -80,6 +80,8 @@ class EngineStatsCollector(Collector):
         yield _gauge("splash_engine_alive", "1 while the engine loop runs", float(s.get("engine_alive", False)))
         yield self._counter("splash_engine_steps", "Engine steps run", s.get("num_steps"))
         yield self._counter("splash_engine_step_errors", "Engine steps that raised", s.get("step_errors"))
+        yield self._counter("splash_engine_device_step_failures", "Device steps that failed (the KV pool restarted "
+                            "empty and the running requests were recomputed)", s.get("step_failures"))
         yield self._counter("splash_engine_core_loop_cpu_seconds", "CPU seconds of the engine core's loop thread "
                             "(with the core in its own process)", s.get("core_loop_cpu_s"))
         yield self._counter("splash_engine_device_wait_seconds", "Seconds the engine loop blocked on the device for "

@@ -6,6 +6,7 @@ a core that cannot start is reported with its own error."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -126,3 +127,78 @@ def test_front_ends_draw_different_seeds_for_unseeded_requests():
     factories = [RequestFactory(facts, None, stream=i) for i in range(3)]
     seeds = [[f.make([5, 6], SamplingParams(temperature=1.0)).sample_seed for _ in range(4)] for f in factories]
     assert len({s for row in seeds for s in row}) == 12
+
+
+# --- a device step that fails inside the core process ----------------------------------------------
+INJECT = """
+import os
+import pathlib
+
+import splash_jax.engine.executor as _executor
+
+_run = _executor.StepExecutor.run
+_once, _always = pathlib.Path(os.environ["SPLASH_TEST_FAIL_ONCE"]), pathlib.Path(os.environ["SPLASH_TEST_FAIL_ALWAYS"])
+
+
+def run(self, *args, **kwargs):
+    if _always.exists() or _once.exists():
+        _once.unlink(missing_ok=True)
+        raise RuntimeError("injected device step failure")
+    return _run(self, *args, **kwargs)
+
+
+_executor.StepExecutor.run = run
+"""
+GREEDY = {"model": "splash-tiny", "max_tokens": 40, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+
+
+def test_a_failed_device_step_in_the_core_recomputes_and_a_request_failing_twice_gets_an_error(tmp_path):
+    """A device step that raises in the core process (injected through a sitecustomize that only
+    this server loads): the core restarts its pool and recomputes the running requests, whose
+    streams end exactly as they do without the failure; a request in two failed steps ends with an
+    error event, and the server keeps serving."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(INJECT)
+    once, always = tmp_path / "fail_once", tmp_path / "fail_always"
+    env = {"PYTHONPATH": f"{tmp_path / 'inject'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "SPLASH_TEST_FAIL_ONCE": str(once), "SPLASH_TEST_FAIL_ALWAYS": str(always)}
+    srv = Server(tmp_path / "server.log", env=env)
+    prompts = [f"Pages of latents {i}" for i in range(4)]
+
+    async def streams(fail=None):
+        async def one(prompt, started):
+            async with httpx.AsyncClient(base_url=srv.base, timeout=60) as http:
+                ids, error = [], None
+                async with http.stream("POST", "/v1/completions", json={**GREEDY, "prompt": prompt, "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            event = json.loads(line[6:])
+                            error = error or event.get("error")
+                            for choice in event.get("choices", ()):
+                                ids += choice.get("token_ids") or []
+                            started.set()
+                return ids, error
+
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(one(p, started)) for p in prompts]
+        if fail is not None:
+            await started.wait()
+            fail.touch()
+        return await asyncio.gather(*tasks)
+
+    try:
+        srv.wait_ready()
+        alone = asyncio.run(streams())
+        assert all(len(ids) == 40 and error is None for ids, error in alone), alone
+        recovered = asyncio.run(streams(fail=once))
+        assert srv.metric("splash_engine_device_step_failures_total") == 1
+        assert recovered == alone  # recomputed from an empty pool: the same tokens, no error
+        failed = asyncio.run(streams(fail=always))
+        assert all(error is not None and "failed twice" in error["message"] for _, error in failed), failed
+        always.unlink()
+        again = asyncio.run(streams())
+        assert again == alone and httpx.get(srv.base + "/health").status_code == 200
+        srv.wait_idle()
+    finally:
+        srv.proc.kill()
+        srv.log.close()

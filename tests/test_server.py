@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, log_path: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(self, log_path: Path, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -45,7 +45,7 @@ class Server:
         cmd = [sys.executable, "-m", "serve.main", "--port", str(self.port), "--compile-cache-dir", CACHE,
                "--no-access-log", *args, *extra_args]
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
