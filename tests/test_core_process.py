@@ -1,7 +1,10 @@
-"""The engine core process with 2 front ends (`python -m serve.main`, bundled model): /metrics
-counts every front end's requests whichever answers; a front end that dies has its requests aborted and their pages freed in the core; a core that
-dies (kill -9) ends every open stream with an error event at once and the server exits non-zero;
-a core that cannot start is reported with its own error."""
+"""The engine core process with 2 front ends (`python -m serve.main`, bundled model), one server
+taken through: /metrics counting every front end's requests whichever answers; device steps
+failing inside the core (injected by a sitecustomize only that server loads: recomputed with
+unchanged outputs, or an error event for a request in two failed steps); a front end that dies
+(its requests aborted, their pages freed); a core that dies (kill -9: every open stream ends with
+an error event at once and the server exits non-zero). Also a core that cannot start is reported
+with its own error."""
 
 from __future__ import annotations
 
@@ -66,8 +69,11 @@ def _every_scrape_counts_every_front_ends_requests(srv) -> None:
         assert re.search(r"^splash_generation_tokens_total 36\.0$", text, re.M)
 
 
-def test_a_dead_front_end_frees_its_requests_and_a_dead_core_ends_every_stream(tmp_path):
-    srv = Server(tmp_path / "server.log", ("--api-server-count", "2"))
+def test_two_front_ends_metrics_failed_steps_and_dead_processes(tmp_path):
+    """One server, 2 front ends, in turn: /metrics sums both; failed device steps; a front end
+    killed; the core killed."""
+    env, once, always = _injected(tmp_path)
+    srv = Server(tmp_path / "server.log", ("--api-server-count", "2"), env=env)
     try:
         srv.wait_ready()
         deadline = time.monotonic() + 60
@@ -75,6 +81,7 @@ def test_a_dead_front_end_frees_its_requests_and_a_dead_core_ends_every_stream(t
             assert time.monotonic() < deadline, srv.tail()
             time.sleep(0.2)
         _every_scrape_counts_every_front_ends_requests(srv)
+        _failed_device_steps_recompute_and_a_request_failing_twice_gets_an_error(srv, once, always)
         front_end = _pid(srv.tail(100_000), r"front end 1 \(pid (\d+)\) connected")
         core = _pid(srv.tail(100_000), r"engine core starting \(pid (\d+)\)")
 
@@ -152,17 +159,20 @@ _executor.StepExecutor.run = run
 GREEDY = {"model": "splash-tiny", "max_tokens": 40, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
 
 
-def test_a_failed_device_step_in_the_core_recomputes_and_a_request_failing_twice_gets_an_error(tmp_path):
-    """A device step that raises in the core process (injected through a sitecustomize that only
-    this server loads): the core restarts its pool and recomputes the running requests, whose
-    streams end exactly as they do without the failure; a request in two failed steps ends with an
-    error event, and the server keeps serving."""
+def _injected(tmp_path) -> tuple[dict, object, object]:
+    """A sitecustomize that only this test's server loads: device steps raise while a file exists."""
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(INJECT)
     once, always = tmp_path / "fail_once", tmp_path / "fail_always"
     env = {"PYTHONPATH": f"{tmp_path / 'inject'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "SPLASH_TEST_FAIL_ONCE": str(once), "SPLASH_TEST_FAIL_ALWAYS": str(always)}
-    srv = Server(tmp_path / "server.log", env=env)
+    return env, once, always
+
+
+def _failed_device_steps_recompute_and_a_request_failing_twice_gets_an_error(srv, once, always) -> None:
+    """A device step that raises in the core process: the core restarts its pool and recomputes
+    the running requests, whose streams end exactly as they do without the failure; a request in
+    two failed steps ends with an error event, and the server keeps serving."""
     prompts = [f"Pages of latents {i}" for i in range(4)]
 
     async def streams(fail=None):
@@ -186,19 +196,14 @@ def test_a_failed_device_step_in_the_core_recomputes_and_a_request_failing_twice
             fail.touch()
         return await asyncio.gather(*tasks)
 
-    try:
-        srv.wait_ready()
-        alone = asyncio.run(streams())
-        assert all(len(ids) == 40 and error is None for ids, error in alone), alone
-        recovered = asyncio.run(streams(fail=once))
-        assert srv.metric("splash_engine_device_step_failures_total") == 1
-        assert recovered == alone  # recomputed from an empty pool: the same tokens, no error
-        failed = asyncio.run(streams(fail=always))
-        assert all(error is not None and "failed twice" in error["message"] for _, error in failed), failed
-        always.unlink()
-        again = asyncio.run(streams())
-        assert again == alone and httpx.get(srv.base + "/health").status_code == 200
-        srv.wait_idle()
-    finally:
-        srv.proc.kill()
-        srv.log.close()
+    alone = asyncio.run(streams())
+    assert all(len(ids) == 40 and error is None for ids, error in alone), alone
+    recovered = asyncio.run(streams(fail=once))
+    assert srv.metric("splash_engine_device_step_failures_total") == 1
+    assert recovered == alone  # recomputed from an empty pool: the same tokens, no error
+    failed = asyncio.run(streams(fail=always))
+    assert all(error is not None and "failed twice" in error["message"] for _, error in failed), failed
+    always.unlink()
+    again = asyncio.run(streams())
+    assert again == alone and httpx.get(srv.base + "/health").status_code == 200
+    srv.wait_idle()
