@@ -106,10 +106,3 @@ class ReasoningParser:
             return ReasoningDelta(reasoning=text, reasoning_tokens=n)
         return ReasoningDelta(reasoning=text[:cut], content=text[cut + len(m.end_text):], reasoning_tokens=n)
 
-
-def split_whole(markers: ReasoningMarkers, text: str, token_ids: Sequence[int]) -> ReasoningDelta:
-    """A non-streamed answer's split (the same parser, fed once)."""
-    parser = ReasoningParser(markers)
-    out = parser.feed(text, token_ids)
-    out.reasoning_tokens = parser.reasoning_tokens
-    return out

@@ -172,7 +172,7 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, raw: HTTPR
     parser = run.parser()
     delta = parser.feed(result.text, result.token_ids, finished=True)
     answer = Answer(reasoning=delta.reasoning if shape.show_reasoning else "",
-                    content="" if parser.in_reasoning else delta.content, calls=list(parser.calls),
+                    content=delta.content, calls=list(parser.calls),
                     in_reasoning=parser.in_reasoning, cut=result.finish_reason == "length")
     usage = shape.usage(len(result.token_ids), result.num_cached_tokens, parser.reasoning_tokens)
     return Response(shape.final(Slots.of(answer), answer, usage).model_dump_json(), media_type="application/json")
@@ -247,7 +247,7 @@ async def _stream(ctx: ServerContext, shape: Shape) -> AsyncIterator[str]:
                                  delta=piece.reasoning))
             if (piece.content or piece.tool_calls) and slots.has("reasoning") and 0 not in closed:
                 events += close_item(0)  # the answer began: the reasoning is complete
-            if piece.content and not parser.in_reasoning:
+            if piece.content:
                 if not slots.has("message"):
                     events += open_item("message")
                 answer.content += piece.content

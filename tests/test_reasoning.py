@@ -23,7 +23,6 @@ from serve.config import ServerConfig
 from serve.reasoning import (
     ReasoningMarkers,
     ReasoningParser,
-    split_whole,
     starts_in_reasoning,
 )
 from splash_jax.engine import Engine, EngineConfig
@@ -74,7 +73,9 @@ def _stream(markers, pieces, rng) -> tuple[str, str, int]:
 def test_split_is_the_same_streamed_anywhere_or_whole(tokenizer, markers, text, reasoning, content):
     pieces = _pieces(tokenizer, text)
     ids = [i for _, i in pieces]
-    whole = split_whole(markers, text, ids)
+    parser = ReasoningParser(markers)
+    whole = parser.feed(text, ids)  # a whole output is one feed
+    whole.reasoning_tokens = parser.reasoning_tokens
     assert (whole.reasoning, whole.content) == (reasoning, content)
     inside = ids[1:] if ids[0] == markers.start_id else ids
     inside = inside[:inside.index(markers.end_id)] if markers.end_id in inside else inside

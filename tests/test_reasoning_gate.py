@@ -13,6 +13,8 @@ import re
 import jsonschema
 import pytest
 
+from engine_runs import generate_plain
+from engine_runs import overlap as overlap_set  # the test parameter is named overlap
 from splash_jax.compile_guard import count_compiles
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.engine.core_wire import NewRequest, decode_new, encode
@@ -105,12 +107,9 @@ def test_budget_without_grammar_alone_in_its_steps(engine, reference, overlap, k
     """No grammar row in the batch: the forced step must still take the masked path (its
     dispatch decides from a state a token behind under overlap)."""
     end = _absent(engine, reference)
-    engine.set_overlap(overlap)
-    try:
+    with overlap_set(engine, overlap):
         out = engine.generate([PROMPT], [SamplingParams(max_tokens=12, ignore_eos=True, reasoning_end_token_id=end,
                                                         thinking_token_budget=k)])[0]
-    finally:
-        engine.set_overlap(True)
     assert out.token_ids[:k + 1] == reference[:k] + [end], out.token_ids
 
 
@@ -141,11 +140,7 @@ def test_overlapped_and_plain_scheduling_agree_and_nothing_compiles(engine, refe
     with count_compiles() as compiles:
         overlapped = engine.generate(prompts, params)
     assert compiles.count == 0, compiles.events
-    engine.set_overlap(False)
-    try:
-        plain = engine.generate(prompts, params)
-    finally:
-        engine.set_overlap(True)
+    plain = generate_plain(engine, prompts, params)
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
     for p, out in zip(params, overlapped):
         k = p.thinking_token_budget

@@ -12,6 +12,7 @@ import re
 import jsonschema
 import pytest
 
+from engine_runs import generate_plain
 from splash_jax.compile_guard import count_compiles
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.engine.request import RequestError
@@ -109,11 +110,7 @@ def test_overlapped_and_plain_scheduling_give_the_same_constrained_outputs(engin
         for s in range(4)] + _mixed(3)[1]
     prompts = ["List:"] * 4 + _mixed(3)[0]
     overlapped = engine.generate(prompts, params)
-    engine.set_overlap(False)
-    try:
-        plain = engine.generate(prompts, params)
-    finally:
-        engine.set_overlap(True)
+    plain = generate_plain(engine, prompts, params)
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
 
 
