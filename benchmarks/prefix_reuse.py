@@ -22,7 +22,7 @@ Modes, each starting with an empty cache:
   on       the engine's automatic prefix cache;
   ideal    the cache off, and each request's known-shared prefix (the longest page-aligned prefix
            of its prompt that an earlier request's prompt, or finished prompt + answer but its last
-           token, had; below its last prompt token) admitted as computed (Scheduler.admit_cached), the rest
+           token, had; at most all but its last prompt token) admitted as computed (Scheduler.admit_cached), the rest
            prefilled: the compute an unbounded cache filled at submission would save. Its pages are
            not shared, so its page use is the cache-off one, and a preempted request recomputes all.
 Reports, per (workload, mode): wall time (first arrival to last token), output tokens/s, TTFT

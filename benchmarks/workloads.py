@@ -275,13 +275,15 @@ class PrefixIndex:
             node = self._nodes.setdefault((node, tuple(ids[j * p : (j + 1) * p])), len(self._nodes) + 1)
 
     def shared(self, ids: list[int]) -> int:
-        """Tokens of the longest page-aligned prefix of `ids` seen before, below its last token."""
+        """Tokens of the longest page-aligned prefix of `ids` seen before, below its last token
+        (the last token is always computed: a fully seen prompt computes just that one, as the
+        engine's cache does with copy-on-write, Scheduler's cached_start)."""
         node, p = 0, self.page_size
-        for j in range((len(ids) - 1) // p):
+        for j in range(len(ids) // p):
             node = self._nodes.get((node, tuple(ids[j * p : (j + 1) * p])))
             if node is None:
                 return j * p
-        return (len(ids) - 1) // p * p
+        return min(len(ids) // p * p, len(ids) - 1)
 
 
 def block_reuse(arrivals: list[Arrival]) -> float:

@@ -32,11 +32,12 @@ def prompts(vocab: int = 256) -> list[list[int]]:
     import numpy as np
 
     rng = np.random.default_rng(3)
-    return [[int(t) for t in rng.integers(1, vocab, n)] for n in (11, 3, 17, 6, 9)]
+    out = [[int(t) for t in rng.integers(1, vocab, n)] for n in (11, 3, 17, 6, 9, 16)]
+    return out + [out[-1]]  # page-aligned and again once cached: copy-on-write runs on every process
 
 
-ARRIVALS = [0, 0, 2, 5, 8]
-MAX_TOKENS = [14, 18, 10, 16, 12]
+ARRIVALS = [0, 0, 2, 5, 8, 0, 6]
+MAX_TOKENS = [14, 18, 10, 16, 12, 6, 6]
 
 
 def workload(engine, switches: list[str], max_tokens_scale: int = 1, on_step=None) -> tuple[dict, list]:
@@ -45,7 +46,7 @@ def workload(engine, switches: list[str], max_tokens_scale: int = 1, on_step=Non
     from splash_jax.engine.request import accumulate
 
     acc, ids, done, handles, step = {}, {}, {}, [], 0
-    pending = list(zip(ARRIVALS, range(len(ARRIVALS))))
+    pending = sorted(zip(ARRIVALS, range(len(ARRIVALS))))
     queue = list(switches)
     while pending or engine.has_work() or queue:
         while pending and pending[0][0] <= step:
@@ -119,7 +120,8 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"outputs": outputs, "switches": handles, "build_s": build_s, "run_s": run_s,
-                       "steps": engine.num_steps, "commands": engine.executor._channel.num_sent}, f)
+                       "steps": engine.num_steps, "commands": engine.executor._channel.num_sent,
+                       "copied_pages": engine.stats()["prefix_cache"]["copied_pages"]}, f)
     runtime.shutdown()
 
 

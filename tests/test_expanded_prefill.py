@@ -1,6 +1,7 @@
 """Prefill in the expanded form (attention/expanded.py) against the absorbed form and plain softmax:
-the attention pieces, a chunk over a prefix split across pool segments and blocks, the tp and dp
-layouts on 8 devices against the single-device model, and the engine's greedy outputs."""
+the attention pieces, a chunk over a prefix split across pool segments and blocks, several chunks
+of one step against one chunk at a time, the tp and dp layouts on 8 devices (several expanded
+chunks per device, or one) against the single-device model, and the engine's greedy outputs."""
 
 import jax
 import jax.numpy as jnp
@@ -117,29 +118,76 @@ def test_chunk_over_a_prefix_in_two_segments_and_several_blocks_equals_the_absor
     assert np.all(np.asarray(got)[chunk:] == 0)
 
 
+def test_several_spans_in_one_step_equal_one_chunk_at_a_time():
+    """Three chunks (after prefixes of 13, 0 and 6 tokens, one in 2-page blocks) among a step's 32
+    slots, longest first plus an unused row: spans_attention equals chunk_attention per chunk and
+    leaves every other slot zero; a span longer than its row's capacity is cut there."""
+    rng = np.random.default_rng(5)
+    H, L, R, Dn, Dv, S, T, scale = 2, 16, 4, 8, 6, 4, 32, 0.3
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    pools = [(f(40, S, L), f(40, S, R))]
+    page_ids = rng.permutation(40)[:24].reshape(3, 8).astype(np.int32)  # each chunk's request: 8 pages
+    q_nope, q_pe, lat, kr, w_uk, w_uv = f(T, H, Dn), f(T, H, R), f(T, L), f(T, R), f(L, H, Dn), f(L, H, Dv)
+    chunks = [(16, 12, 6, 2), (0, 9, 13, 0), (9, 5, 0, 1)]  # (first slot, length, prefix, request): slots 14, 15, 28.. absorbed
+    spans = jnp.asarray([(a, n) for a, n, _, _ in chunks] + [(0, 0)], jnp.int32)
+    rows = [jnp.asarray(page_ids[[r for *_, r in chunks] + [0]])]
+    prefix = [jnp.asarray([p for _, _, p, _ in chunks] + [0], jnp.int32)]
+    got = np.asarray(expanded.spans_attention(q_nope, q_pe, lat, kr, pools, rows, prefix, spans, w_uk, w_uv, scale, "xla",
+                                              block_tokens=2 * S))
+    seen = np.zeros(T, bool)
+    for a, n, p, r in chunks:
+        pad = lambda x, a=a, n=n: jnp.pad(x[a : a + n], [(0, T - n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+        want = expanded.chunk_attention(pad(q_nope), pad(q_pe), pad(lat), pad(kr), pools, [jnp.asarray(page_ids[r])],
+                                        [jnp.int32(p)], jnp.int32(n), w_uk, w_uv, scale, "xla", block_tokens=2 * S)
+        np.testing.assert_allclose(got[a : a + n], np.asarray(want)[:n], rtol=1e-5, atol=1e-5)
+        seen[a : a + n] = True
+    assert np.all(got[~seen] == 0)
+    assert expanded.span_capacities(T, 4) == (32, 16, 16, 8)
+    index = np.asarray(expanded.span_index(jnp.asarray([(0, 9), (9, 20), (0, 0), (0, 0)], jnp.int32), T))
+    np.testing.assert_array_equal(index, list(range(9)) + list(range(32, 48)) + [-1] * 7)  # row 1 holds 16
+
+
+def test_packer_expands_each_devices_chunks_with_most_pairs_longest_first():
+    from splash_jax.engine.step_packer import prefill_spans
+
+    lengths, starts = np.array([6, 30, 8, 12, 1, 9]), np.array([0, 0, 500, 0, 40, 0])
+    lslot, owners = np.array([0, 6, 36, 44, 56, 57]), np.array([0, 0, 0, 0, 0, 1])
+    # min 8: chunks of >= 2 tokens with tokens * context >= 64; pairs 36 (no), 900, 4064, 144, 41 (no), 81
+    got = prefill_spans(2, lengths, starts, lslot, owners, 8, spans=2, tokens=64)
+    np.testing.assert_array_equal(got[0], [(6, 30), (36, 8)])  # the two with most pairs, longest first
+    np.testing.assert_array_equal(got[1], [(57, 9), (0, 0)])
+    got = prefill_spans(2, lengths, starts, lslot, None, 8, spans=4, tokens=66)  # tp: every device sees every chunk
+    for d in range(2):
+        np.testing.assert_array_equal(got[d], [(6, 30), (44, 12), (57, 9), (36, 8)])
+    with pytest.raises(ValueError, match="overlap"):  # 30 + 30 tokens cannot be disjoint in 40 slots
+        prefill_spans(1, np.array([30, 30]), np.array([0, 0]), np.array([0, 5]), None, 8, spans=2, tokens=40)
+
+
 # --- layouts on 8 devices against the single-device model -------------------------------------
 
 OPTS = RuntimeOptions(dtype="float32", attention_impl="xla")
 N, S, M = 8, 8, 8
 rng = np.random.default_rng(0)
-PROMPTS = {"a": rng.integers(0, 1024, 30).tolist(), "b": rng.integers(0, 1024, 23).tolist(), "c": rng.integers(0, 1024, 6).tolist()}
-OWNERS = {"a": 0, "b": 3, "c": 0}
-# Chunks after a prefix are the longest of their step (each device's span in dp, the step's in tp).
+PROMPTS = {"a": rng.integers(0, 1024, 30).tolist(), "b": rng.integers(0, 1024, 23).tolist(),
+           "c": rng.integers(0, 1024, 6).tolist(), "d": rng.integers(0, 1024, 14).tolist()}
+OWNERS = {"a": 0, "b": 0, "c": 0, "d": 3}
+# With span_min_tokens=2 every chunk is worth expanding: step 2 has 4 in tp and 3 on dp's device 0,
+# most after a prefix (with one span, the one with the most query-key pairs per device expands).
 STEPS = [
-    [("a", 0, 10), ("b", 0, 5)],
-    [("a", 10, 17), ("b", 5, 2), ("c", 0, 3)],
-    [("a", 27, 3), ("b", 7, 9), ("c", 3, 1)],
-    [("a", 30, 1), ("b", 16, 1), ("c", 4, 1)],
+    [("a", 0, 10), ("b", 0, 5), ("d", 0, 8)],
+    [("a", 10, 17), ("b", 5, 2), ("c", 0, 3), ("d", 8, 4)],
+    [("a", 27, 3), ("b", 7, 9), ("c", 3, 1), ("d", 12, 2)],
+    [("a", 30, 1), ("b", 16, 1), ("c", 4, 1), ("d", 14, 1)],
 ]
 WIDTHS = SamplerWidths(1, 1)
 
 
-def packed(n, layout, alloc, segments, expanded_form):
+def packed(n, layout, alloc, segments, expanded_form, spans=expanded.DEFAULT_SPANS):
     tables = PageTables(n, len(PROMPTS), M)
     slots = {r: i for i, r in enumerate(PROMPTS)}
     requests = {r: Request(r, PROMPTS[r], Params(), slot=slots[r], owner=OWNERS[r] % n,
                            device_pages=[[] for _ in range(n)]) for r in PROMPTS}
-    shape = StepShape(32, 32, n, segments, M, layout.owner_rows, WIDTHS, expanded_form)  # a logits row per token
+    shape = StepShape(32, 32, n, segments, M, layout.owner_rows, WIDTHS, expanded_form, spans)  # a logits row per token
     for spec in STEPS:
         chunks = []
         for r, s, k in spec:
@@ -150,10 +198,14 @@ def packed(n, layout, alloc, segments, expanded_form):
                 tables.append(req.slot, d, pages, layout.kv_placement, alloc)
             chunks.append(ScheduledChunk(req, s, k, False))
         step = pack_step(shape, chunks, tables, SlotSampling(len(PROMPTS), WIDTHS, ()), S, all_logits=True, span_min_tokens=2)
-        yield sum(k for _, _, k in spec), host_step_input(shape, step)
+        batch = host_step_input(shape, step)
+        if expanded_form and len(spec) == 4:  # step 2: as many chunks expand as spans allow
+            used = (batch.prefill_span[..., 1] > 0).sum(-1)
+            assert used.max() == min(spans, 3 if layout.owner_rows else 4), used
+        yield sum(k for _, _, k in spec), batch
 
 
-def run_layout(name, expanded_form):
+def run_layout(name, expanded_form, spans=expanded.DEFAULT_SPANS):
     layout = get_layout("tp" if name == "single" else name)
     mesh = make_mesh(1 if name == "single" else N)
     n = mesh.devices.size
@@ -164,7 +216,7 @@ def run_layout(name, expanded_form):
     forward = jax.jit(layout_step(graphdef, state, kv, mesh, layout, "xla"))
     alloc = PageAllocator(n, base, S, extra)
     out = []
-    for num, batch in packed(n, layout, alloc, 2 if extra else 1, expanded_form):
+    for num, batch in packed(n, layout, alloc, 2 if extra else 1, expanded_form, spans):
         logits, kv = forward(state, kv, jax.tree.map(jnp.asarray, batch))
         out.append(np.asarray(logits[:num]))
     if extra:
@@ -177,10 +229,11 @@ def absorbed_single():
     return run_layout("single", False)
 
 
-@pytest.mark.parametrize("name", ["tp", "dp", "single"])
-def test_expanded_prefill_logits_equal_the_absorbed_single_device_model(name, absorbed_single):
-    """Every token's logits (all_logits) through 4 steps of chunked prefill and decode."""
-    for step, (got, want) in enumerate(zip(run_layout(name, True), absorbed_single)):
+@pytest.mark.parametrize("name,spans", [("tp", 4), ("dp", 4), ("single", 4), ("dp", 1)])
+def test_expanded_prefill_logits_equal_the_absorbed_single_device_model(name, spans, absorbed_single):
+    """Every token's logits (all_logits) through 4 steps of chunked prefill and decode, with up to
+    4 expanded chunks per device (3 on dp's device 0, 4 in tp) or one (the rest absorbed)."""
+    for step, (got, want) in enumerate(zip(run_layout(name, True, spans), absorbed_single)):
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 1e-4, f"{name} step {step}: max relative error {err:.2e}"
 
@@ -189,7 +242,7 @@ def test_dop_and_cp_refuse_a_prefill_span():
     from splash_jax.attention.layouts import ShardedContext
     from splash_jax.kv.cache import StepInput
 
-    batch = StepInput(*[None] * 8, prefill_span=jnp.zeros(2, jnp.int32))
+    batch = StepInput(*[None] * 8, prefill_span=jnp.zeros((4, 2), jnp.int32))
     for name in ("dop", "cp"):
         assert not get_layout(name).expanded_prefill
         with pytest.raises(ValueError, match="expanded form"):
@@ -197,17 +250,26 @@ def test_dop_and_cp_refuse_a_prefill_span():
     assert get_layout("tp").expanded_prefill and get_layout("dp").expanded_prefill
 
 
-def test_engine_greedy_outputs_with_expanded_prefill_equal_absorbed_and_compile_nothing_after_warmup():
-    prompts = ["Latent attention " * 6, "One shared latent per token means the cache can live anywhere. " * 3, "ok"]
+def test_engine_greedy_outputs_with_expanded_prefill_equal_absorbed_and_compile_nothing_after_warmup(monkeypatch):
+    """The first step packs three prompts' chunks (13, 14 and 5 tokens), all worth expanding at
+    N = 4: all three run expanded in the one expanded program of the bucket."""
+    from splash_jax.engine import step_packer
+
+    prompts = ["A layout is a rule table over one mesh.", "Latent attention " * 3, "Latent attention " * 6,
+               "One shared latent per token means the cache can live anywhere. " * 3, "ok"]
     params = SamplingParams(max_tokens=6)
     kw = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=32, compile_cache_dir=None)
     absorbed = [o.token_ids for o in Engine(EngineConfig(warmup=False, **kw)).generate(prompts, params)]
-    engine = Engine(EngineConfig(layout="tp", num_devices=2, prefill_attention="expanded", expanded_prefill_min_tokens=16,
+    engine = Engine(EngineConfig(layout="tp", num_devices=2, prefill_attention="expanded", expanded_prefill_min_tokens=4,
                                  min_token_bucket=32, **kw))  # one bucket: 2 programs + 2 expanded ones
     compiled = engine.executor.num_compiled
     assert any(key[4] for key in engine.executor._compiled), "warm-up compiled no expanded program"
+    used = []
+    pack = step_packer.prefill_spans
+    monkeypatch.setattr(step_packer, "prefill_spans", lambda *a, **k: used.append(pack(*a, **k)) or used[-1])
     assert [o.token_ids for o in engine.generate(prompts, params)] == absorbed
     assert engine.executor.num_compiled == compiled  # dp's expanded logits: test_expanded_prefill_logits_...[dp]
+    assert max(int((u[..., 1] > 0).sum(-1).max()) for u in used) >= 3, used
 
 
 def test_which_chunks_are_worth_expanding():
@@ -227,6 +289,8 @@ def test_prefill_attention_flag_is_checked_and_auto_expands_on_gpus_only():
     assert EngineConfig(prefill_attention="expanded", expanded_prefill_min_tokens=64).resolved_expanded_min_tokens("cpu") == 64
     with pytest.raises(ValueError, match="prefill-attention"):
         EngineConfig(prefill_attention="mha").resolved_expanded_min_tokens("gpu")
+    with pytest.raises(ValueError, match="expanded-prefill-spans"):
+        EngineConfig(expanded_prefill_spans=0).resolved_expanded_min_tokens("gpu")
 
 
 @pytest.mark.gpu
@@ -287,12 +351,12 @@ def test_gpu_steps_get_concurrent_graph_scheduling_unless_asked_for_xlas():
 
 
 def test_an_expanded_program_that_does_not_build_leaves_its_bucket_absorbed(monkeypatch):
-    """A cuDNN that refuses the shapes (here: chunk_attention raising while the program is traced)
+    """A cuDNN that refuses the shapes (here: spans_attention raising while the program is traced)
     costs the expanded form, not the engine: start-up succeeds, outputs equal the absorbed form."""
     def refuse(*args, **kwargs):
         raise NotImplementedError("cuDNN refuses these shapes")
 
-    monkeypatch.setattr(expanded, "chunk_attention", refuse)
+    monkeypatch.setattr(expanded, "spans_attention", refuse)
     kw = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=32, compile_cache_dir=None)
     prompts, params = ["Latent attention " * 6, "ok"], SamplingParams(max_tokens=4)
     want = [o.token_ids for o in Engine(EngineConfig(warmup=False, **kw)).generate(prompts, params)]

@@ -110,6 +110,10 @@ class Shadow:
                 assert a.refs(page) == 1, f"page {page} written while {a.refs(page)} hold it"
                 self.slots.setdefault(page, {})[p % S] = (r.cache_salt, tuple(r.token_slice(0, p + 1)))
 
+    def copy(self, src, dst):
+        """A copy-on-write page copy (the engine runs them before the step)."""
+        self.slots[dst] = dict(self.slots.get(src, {}))
+
     def check_hit(self, sched, r):
         n = sched.n
         for j in range(len(r.cache_nodes)):
@@ -175,6 +179,8 @@ def drive(ops, placement, n, caching, pages_per_device):
 def step(sched, shadow):
     before = {id(r) for r in sched.running}
     out = sched.schedule()
+    for src, dst in sched.take_page_copies():
+        shadow.copy(src, dst)
     for c in out.chunks:
         r = c.request
         if id(r) not in before:
@@ -225,6 +231,31 @@ def test_identical_prompts_arriving_together_compute_their_prefix_once():
     # the leader computes 18 prompt tokens, each follower its last 2 (4 pages shared)
     assert computed == 18 + 3 * 2, computed
     assert sched.cache_stats.hits == 3 * 16 and sched.cache_stats.deferred > 0
+
+
+def test_a_fully_cached_prompt_copies_its_last_page_and_computes_one_token():
+    a = PageAllocator(2, 40, S)
+    sched = Scheduler(a, 8, 20, REPLICATED, 64, 16, enable_prefix_caching=True)
+    prompt = list(range(2, 2 + 4 * S))  # 4 full pages
+    for i in range(3):
+        sched.add(req(f"g{i}", prompt, 3))
+    computed, copies = [], []
+    while sched.has_work():
+        out = sched.schedule()
+        copies += sched.take_page_copies()
+        computed += [(c.request.request_id, c.num_tokens) for c in out.chunks if c.start < len(prompt)]
+        sched.dispatched(out.chunks)
+        s = [c for c in out.chunks if c.samples]
+        sched.update(out.chunks, list(range(len(s))), np.full(len(s), 5))
+        a.check_invariants()
+    # the leader computes the prompt; each follower waits for its pages, then computes its last
+    # token on a private copy of the last page, one per device (tp)
+    assert computed == [("g0", 4 * S), ("g1", 1), ("g2", 1)], computed
+    assert len(copies) == 2 * 2 and sched.cache_stats.copied_pages == 4
+    assert len({src for src, _ in copies}) == 2 and len({dst for _, dst in copies}) == 4  # one cached page per device
+    assert (a.locate([s for s, _ in copies])[0] == a.locate([d for _, d in copies])[0]).all()
+    assert sched.cache_stats.hits == 2 * (4 * S - 1)
+    assert a.num_referenced() == 0
 
 
 def test_owner_layouts_place_a_request_on_the_device_holding_its_prefix():

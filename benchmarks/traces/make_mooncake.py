@@ -15,8 +15,11 @@ partial; equal ids = equal block contents, ids counted up from 0 as Mooncake's a
   turns        the first turn is system + a new user input; turn k+1 repeats turn k's full blocks
                (its partial last block is rewritten, as a new block) and appends the previous
                answer and a new user input as new blocks: the hash list extends the earlier one;
-  lengths      user inputs lognormal (median --user-median tokens), answers lognormal (median
-               --output-median), prompts capped at --max-blocks blocks (a session ends there).
+  lengths      user inputs lognormal (median --user-median tokens, sigma --user-sigma, at least
+               --min-user), answers lognormal (median --output-median), prompts capped at
+               --max-blocks blocks (a session ends there);
+  window       --window-s > 0 keeps only the rows arriving within that many seconds of the first.
+benchmarks/traces/mooncake_ttft.jsonl (benchmarks/ttft_trace.py) is made with other settings.
 The shipped file (defaults, seed 0): 51 requests over 35 s, 15.4 blocks (~7.5K tokens) per prompt
 on average; 64% of all blocks repeat an earlier row's (the public traces reuse 37% (conversation)
 and 64% (synthetic) of their blocks: DESIGN.md section 6).
@@ -38,7 +41,8 @@ OUT = Path(__file__).resolve().parent / "mooncake_synthetic.jsonl"
 
 def generate(sessions: int = 16, duration_s: float = 20.0, mean_turns: float = 2.7, think_s: float = 4.0,
              system_prompts: int = 3, system_blocks: int = 8, no_system: float = 0.2, user_median: int = 1500,
-             output_median: int = 250, max_blocks: int = 32, block_size: int = 512, seed: int = 0) -> list[dict]:
+             output_median: int = 250, max_blocks: int = 32, block_size: int = 512, seed: int = 0,
+             user_sigma: float = 0.8, min_user: int = 16, window_s: float = 0.0) -> list[dict]:
     rng = np.random.default_rng(seed)
     next_id = 0
 
@@ -60,7 +64,7 @@ def generate(sessions: int = 16, duration_s: float = 20.0, mean_turns: float = 2
             full, tail = list(systems[int(rng.choice(system_prompts, p=popularity))]), 0
         t, answer = start, 0
         for k in range(turns):
-            user = max(16, int(rng.lognormal(math.log(user_median), 0.8)))
+            user = max(min_user, int(rng.lognormal(math.log(user_median), user_sigma)))
             new = tail + answer + user  # the rewritten partial block, the previous answer, the new input
             length = len(full) * block_size + new
             if math.ceil(length / block_size) > max_blocks:
@@ -72,6 +76,8 @@ def generate(sessions: int = 16, duration_s: float = 20.0, mean_turns: float = 2
             full, tail = hashes[: length // block_size], length % block_size
             t += rng.exponential(think_s)
     rows.sort(key=lambda r: r["timestamp"])
+    if window_s > 0:  # only what arrives within the window (a session's later turns may fall outside)
+        rows = [r for r in rows if r["timestamp"] - rows[0]["timestamp"] <= window_s * 1000]
     first, order = (rows[0]["timestamp"] if rows else 0), {}
     for r in rows:  # as Mooncake's: ids counted up in order of first appearance, times from the first
         r["timestamp"] -= first

@@ -8,7 +8,9 @@ and the pairs once per query token, so it wins (vLLM and SGLang run MLA prefill 
 H200 (`benchmarks/probes/mha_prefill.py`): cuDNN's fused attention runs an 8K chunk over 64K keys in
 the expanded form in 9.2 ms (598 TFLOP/s); the absorbed Pallas kernel takes 97 ms for the same chunk.
 
-One chunk per device per step (StepInput.prefill_span: its first token slot and length). Its keys:
+Up to S chunks per device per step (StepInput.prefill_span [S, 2]: each chunk's first token slot
+and length, longest first, unused rows of length 0; S = EngineConfig.expanded_prefill_spans).
+A chunk's keys:
   - the request's cached prefix: compact slots [0, prefix) of each pool segment on this device,
     read in blocks of `block_tokens` by a loop whose trip count follows the prefix length;
   - the chunk's own latents, computed this step, causal.
@@ -16,6 +18,12 @@ Keys may be visited in any order (the rope part of a cached key already carries 
 so a segment's compact slots need no positions. Partial results merge exactly by log-sum-exp.
 Needs every head it computes and every page of the request on the device: tp and dp
 (`Layout.expanded_prefill`).
+
+Several spans (`spans_attention`): the step's own latents are expanded once for all T slots; span
+row i gathers at most ceil(T / (i + 1)) query rows (the i-th longest of disjoint chunks in T slots
+cannot be longer), so S spans cost about T * (1 + 1/2 + ... + 1/S) rows of gathers and masked
+attention (2.08 T for S = 4), an unused span a zero-trip prefix loop and one masked attention
+call of its padded rows; no conditionals (DESIGN.md: a cond stalls the host on GPUs).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 DEFAULT_BLOCK_TOKENS = 4096
+DEFAULT_SPANS = 4  # EngineConfig.expanded_prefill_spans
 
 
 def attend(q, k, v, q_len, kv_len, causal: bool, scale: float, impl: str):
@@ -89,9 +98,14 @@ def chunk_attention(
     Returns the per-head values [T, H, Dv] (float32; zero past span_len). block_tokens: prefix
     keys expanded per loop iteration (default DEFAULT_BLOCK_TOKENS).
     """
-    block_tokens = block_tokens or DEFAULT_BLOCK_TOKENS
     q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
     k, v = expand(latent.astype(q.dtype), rope_key, w_uk, w_uv)
+    return _chunk(q, k, v, pools, page_rows, prefix_lens, span_len, w_uk, w_uv, scale, impl, block_tokens)
+
+
+def _chunk(q, k, v, pools, page_rows, prefix_lens, span_len, w_uk, w_uv, scale, impl, block_tokens):
+    """chunk_attention with the chunk's queries q [T, H, Dn + R] and own keys and values expanded."""
+    block_tokens = block_tokens or DEFAULT_BLOCK_TOKENS
     out, lse = attend(q, k, v, span_len, span_len, True, scale, impl)
     for (lat_pool, rope_pool), row, prefix in zip(pools, page_rows, prefix_lens):
         page = lat_pool.shape[1]
@@ -113,13 +127,48 @@ def chunk_attention(
     return out
 
 
-def span_rows(span, num_tokens: int):
-    """For span = (first token slot, length) of a step's T slots: (mask of the span's slots [T],
-    each slot's row in the chunk [T], each chunk row's slot [T]) (indices clipped into range)."""
+def span_capacities(num_tokens: int, spans: int) -> tuple[int, ...]:
+    """Query rows of each span row of a step with num_tokens slots: the i-th longest of disjoint
+    chunks has at most ceil(num_tokens / (i + 1)) tokens (rounded up to a multiple of 8)."""
+    ceil = lambda a, b: -(-a // b)  # noqa: E731
+    return tuple(min(num_tokens, ceil(ceil(num_tokens, i + 1), 8) * 8) for i in range(spans))
+
+
+def span_index(spans, num_tokens: int):
+    """Each of a step's T slots' row in the spans' concatenated query rows (spans_attention), -1
+    for a slot in no span. spans [S, 2] (first slot, length); a span longer than its row's
+    capacity (span_capacities) is cut there: its last slots stay absorbed (the packer orders spans
+    longest first, so that never happens)."""
     t = jnp.arange(num_tokens)
-    start, length = span[0], span[1]
-    in_span = (t >= start) & (t < start + length)
-    return in_span, jnp.clip(t - start, 0, num_tokens - 1), jnp.clip(t + start, 0, num_tokens - 1)
+    index, at = jnp.full(num_tokens, -1, jnp.int32), 0
+    for i, cap in enumerate(span_capacities(num_tokens, spans.shape[0])):
+        start, length = spans[i, 0], jnp.minimum(spans[i, 1], cap)
+        index = jnp.where((t >= start) & (t < start + length), at + t - start, index)
+        at += cap
+    return index
+
+
+def spans_attention(
+    q_nope, q_pe, latent, rope_key, pools, page_rows, prefix_lens, spans, w_uk, w_uv, scale: float,
+    impl: str, block_tokens: int | None = None,
+):
+    """chunk_attention for up to S chunks among a step's T slots, each over its own prefix and itself.
+
+    q_nope, q_pe, latent, rope_key: every slot's rows ([T, ...], as chunk_attention); spans [S, 2]
+    (first slot, length; length 0: unused); page_rows: per segment [S, M] each span's compact page
+    ids; prefix_lens: per segment [S]. Returns the per-head values [T, H, Dv] (float32) of the
+    slots `span_index` puts in a span (zero elsewhere)."""
+    num_tokens = q_nope.shape[0]
+    q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+    k, v = expand(latent.astype(q.dtype), rope_key, w_uk, w_uv)  # every slot's own key, once
+    outs = []
+    for i, cap in enumerate(span_capacities(num_tokens, spans.shape[0])):
+        rows = jnp.clip(spans[i, 0] + jnp.arange(cap), 0, num_tokens - 1)
+        outs.append(_chunk(q[rows], k[rows], v[rows], pools, [r[i] for r in page_rows], [p[i] for p in prefix_lens],
+                           jnp.minimum(spans[i, 1], cap), w_uk, w_uv, scale, impl, block_tokens))
+    index = span_index(spans, num_tokens)
+    out = jnp.concatenate(outs)[jnp.maximum(index, 0)]
+    return jnp.where((index >= 0)[:, None, None], out, 0.0)
 
 
 def min_chunk_tokens(min_tokens: int) -> int:

@@ -14,9 +14,10 @@ Collectives per layer (N = devices):
   cp : all_gather of q heads; local partial attention with log-sum-exp; all_to_all of the
        partials to head shards; exact merge; psum of o_proj.
 
-tp and dp (a device holds every head it computes and every page of its rows' requests) run a
-step's prefill_span, if the program has one, in the expanded form (attention/expanded.py) with no
-extra collective; the step's other tokens and every dop/cp step use the absorbed form.
+tp and dp (a device holds every head it computes and every page of its rows' requests) run the
+chunks of a step's prefill_span ([S, 2] per device), if the program has one, in the expanded form
+(attention/expanded.py) with no extra collective; the step's other tokens and every dop/cp step
+use the absorbed form.
 """
 
 from __future__ import annotations
@@ -89,29 +90,28 @@ class ShardedContext:
     def _values(self, attn, q_nope, q_pe, c, k_pe, pools, batch):
         """Per-head attention values [T, H_local, Dv] of this device's query rows (every head of
         them local, every page of their requests on this device: tp, dp). A step with a
-        prefill_span runs that chunk in the expanded form and the other tokens absorbed."""
+        prefill_span [S, 2] runs those chunks in the expanded form and the other tokens absorbed."""
         if batch.prefill_span is None:
             o_latent, _ = self._attend(attn, attn.absorb(q_nope), q_pe, pools, batch)
             return attn.values(o_latent)
-        num_tokens = q_nope.shape[0]
-        in_span, to_chunk, from_chunk = expanded.span_rows(batch.prefill_span, num_tokens)
-        start, length = batch.prefill_span[0], batch.prefill_span[1]
+        num_tokens, spans = q_nope.shape[0], batch.prefill_span
+        in_span = expanded.span_index(spans, num_tokens) >= 0
         absorbed = dataclasses.replace(batch, kv_lens=jnp.where(in_span[None], 0, batch.kv_lens))
         o_latent, _ = self._attend(attn, attn.absorb(q_nope), q_pe, pools, absorbed)
-        # The chunk's prefix in each segment: the slots before its first token's own slot.
-        first = jnp.clip(start, 0, num_tokens - 1)
+        # Each chunk's prefix in each segment: the slots before its first token's own slot.
+        first = jnp.clip(spans[:, 0], 0, num_tokens - 1)
         prefix, rows = [], []
         for g, (lat_pool, _) in enumerate(pools):
             page = batch.write_page[g][first]
             held = ((page >= 0) & (page < lat_pool.shape[0])).astype(jnp.int32)
-            prefix.append(jnp.where(length > 0, batch.kv_lens[g][first] - held, 0))
+            prefix.append(jnp.where(spans[:, 1] > 0, batch.kv_lens[g][first] - held, 0))
             rows.append(batch.page_table[g][batch.token_request[first]])
-        chunk = expanded.chunk_attention(
-            q_nope[from_chunk], q_pe[from_chunk], c[from_chunk], k_pe[from_chunk], pools, rows, prefix, length,
+        chunks = expanded.spans_attention(
+            q_nope, q_pe, c, k_pe, pools, rows, prefix, spans,
             attn.w_uk[...], attn.w_uv[...], attn.cfg.softmax_scale, expanded.default_impl(q_nope.dtype),
         )
         o = attn.values(o_latent)
-        return jnp.where(in_span[:, None, None], chunk[to_chunk].astype(o.dtype), o)
+        return jnp.where(in_span[:, None, None], chunks.astype(o.dtype), o)
 
     def _segment(self, a):
         """This device's owner rows of a replicated [T, ...] array."""

@@ -96,6 +96,10 @@ class Follower:
         chunk = PageChunk(**cmd.arrays, **cmd.fields["chunk"])
         self.ex.apply_to_pool(lambda kv: mover(kv, chunk))
 
+    def _copy_pages(self, cmd: Command) -> None:
+        buf = cmd.arrays["buf"]
+        self.ex.copy_pages(jax.make_array_from_callback(buf.shape, self.ex.per_device, lambda i: buf[i]))
+
     def _reshard(self, cmd: Command) -> None:
         xs = [self.ex.params[i] for i in cmd.fields["leaves"]]
         specs = [spec_from_json(s) for s in cmd.fields["specs"]]

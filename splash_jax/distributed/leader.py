@@ -4,7 +4,8 @@ In multi-controller JAX every process must launch the same programs, in the same
 global arrays. Process 0 alone schedules, so the device-facing objects of its engine are wrapped
 from outside (no hook inside the executor or the switch controller): each call that launches a
 device program is sent to the followers first (so they never make process 0 wait), then run here.
-  executor.run / sample / reset_device_state / apply_to_pool / swap -> step, sample, reset, move/drop_extra, swap
+  executor.run / sample / reset_device_state / apply_to_pool / copy_pages / swap
+    -> step, sample, reset, move/drop_extra, copy_pages, swap
   switch controller: page movers, weight resharder, extra-segment allocator -> move, reshard, make_extra
 A swap names its arrays by where they came from (a current leaf, or the output of a recorded
 program since the last swap), so followers assemble the same state from their own shards.
@@ -120,6 +121,10 @@ class LeaderExecutor:
             object.__setattr__(self, "_pool_calls", None)
         if len(calls) != 1 or calls[0] is not self._inner.pool:
             raise MirrorError("apply_to_pool ran a function that is not exactly one recorded pool program")
+
+    def copy_pages(self, buf: np.ndarray) -> None:
+        self._channel.send(Command("copy_pages", {}, {"buf": buf}))
+        self._inner.copy_pages(jax.make_array_from_callback(buf.shape, self._inner.per_device, lambda i: buf[i]))
 
     def swap(self, layout, params, kv) -> None:
         pool = jax.tree.leaves(self._inner.pool)

@@ -42,6 +42,10 @@ class EngineConfig:
     # V2-Lite, one-chunk prompts: 512 tokens 10% slower expanded, 1024 4% faster, 4K 1.5x).
     prefill_attention: str = "auto"
     expanded_prefill_min_tokens: int = 1024  # N above: the smallest chunk worth the expanded form
+    # Chunks worth the expanded form that one step runs expanded per device, at most (those with the
+    # most query-key pairs; the rest absorbed). Fixed shapes: span i gathers and attends at most
+    # T/i of the step's T token slots whether used or not (1 + 1/2 + 1/3 + 1/4 = 2.08 T for 4).
+    expanded_prefill_spans: int = 4
     page_size: int = 64  # tokens per KV page (a power of two; the GPU kernels want a multiple of 64)
     kv_memory_gb: float | None = None  # per device (base segment); default: kv_memory_fraction of what is left
     kv_memory_fraction: float = 0.9  # of what each device has left after the weights and the largest step program, for the KV pool
@@ -51,6 +55,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens per step at most (largest token bucket)
     min_token_bucket: int = 8  # smallest compiled step (token slots); buckets double up to max_num_batched_tokens
     enable_chunked_prefill: bool = True  # long prompts prefill in chunks that share steps with decodes
+    # Order of prefill work (engine/prefill_order.py): fcfs (running prefills in admission order, then
+    # waiting requests in arrival order) | srpf (running and waiting together: preempted requests first,
+    # then those waiting past --max-prefill-wait-s since arrival, oldest first, then fewest prompt tokens left)
+    scheduling_policy: str = "fcfs"
+    max_prefill_wait_s: float = 1.0  # srpf: the age bound above, seconds since the request arrived
+    # While any request decodes, a step takes at most this many prefill tokens, so decodes never wait
+    # behind a full --max-num-batched-tokens prefill chunk (0 = no cap); steps without decodes use the whole budget.
+    max_prefill_tokens_with_decodes: int = 0
     # Automatic prefix caching: full pages stay cached under the exact tokens of the prefix they end
     # and a new request reuses its longest cached prefix (every layout; kept across switches).
     enable_prefix_caching: bool = True
@@ -189,6 +201,8 @@ class EngineConfig:
             raise ValueError(f"--prefill-attention must be auto, expanded or absorbed, got {self.prefill_attention!r}")
         if self.expanded_prefill_min_tokens < 1:
             raise ValueError(f"--expanded-prefill-min-tokens must be >= 1, got {self.expanded_prefill_min_tokens}")
+        if not 1 <= self.expanded_prefill_spans <= 16:
+            raise ValueError(f"--expanded-prefill-spans must be in [1, 16], got {self.expanded_prefill_spans}")
         on = self.prefill_attention == "expanded" or (self.prefill_attention == "auto" and backend == "gpu")
         return self.expanded_prefill_min_tokens if on else 0
 
@@ -228,6 +242,9 @@ class EngineConfig:
             raise ValueError(f"--speculative-tokens must be in [1, 16], got {self.speculative_tokens}")
         if self.layout_policy == "auto" and not self.enable_switching:
             raise ValueError("--layout-policy auto needs --enable-switching")
+        from splash_jax.engine.prefill_order import PrefillOrder
+
+        PrefillOrder.of(self)  # raises on a bad policy, age bound or cap
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod

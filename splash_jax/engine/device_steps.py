@@ -22,6 +22,7 @@ from splash_jax.engine.request import Request, Status
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk
 from splash_jax.engine.step_packer import pack_step
+from splash_jax.kv.page_copy import pack_copies
 from splash_jax.structured.reasoning_gate import needs_masks
 
 log = logging.getLogger("splash_jax.engine.engine_core")
@@ -72,6 +73,12 @@ class DeviceSteps:
         return bucket, expanded, packed
 
     def _dispatch(self, chunks: list[ScheduledChunk]) -> InFlight | None:
+        try:  # copy-on-write pages of this step's admissions, before anything that reads them
+            for buf in pack_copies(self.scheduler.take_page_copies(), self.scheduler.allocator):
+                self.executor.copy_pages(buf)
+        except Exception as e:  # noqa: BLE001 - a device failure: its pool is gone
+            self._recover(e, chunks)
+            return None
         try:
             bucket, expanded, packed = self._pack(chunks)
         except Exception as e:  # noqa: BLE001 - host-side: find the requests that cause it, fail only them
@@ -216,6 +223,7 @@ class DeviceSteps:
         """A device step failed, so the donated pool is lost: start from an empty pool and recompute
         every running request (outputs unchanged). A request in two failed steps is failed."""
         self.num_step_failures += 1
+        self.scheduler.take_page_copies()  # into the lost pool
         log.error("engine step failed on the device (%s: %s); recomputing the running requests", type(error).__name__, error)
         self._inflight = None
         if self.mtp is not None:

@@ -35,6 +35,7 @@ from splash_jax.engine.core_output import CoreOutput
 from splash_jax.engine.device_steps import DeviceSteps
 from splash_jax.engine.request import Request, RequestError, SamplingLimits
 from splash_jax.engine.sampler import SamplerWidths
+from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.scheduler import Scheduler
 from splash_jax.engine.speculative import MtpDrafter, NgramDrafter
 from splash_jax.engine.step_packer import SlotSampling
@@ -161,7 +162,7 @@ class EngineCore(DeviceSteps):
             self.max_model_len, self.pages_per_request, self.eos_ids, config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching,
             balance_pages=int(config.prefix_balance_fraction * per_device),
-            max_logits_rows=self.max_logits_rows,
+            max_logits_rows=self.max_logits_rows, prefill_order=PrefillOrder.of(config),
         )
         self.mtp_drafter = MtpDrafter(k) if mtp else None  # drafts the device computed, by request
         self.scheduler.set_speculation(self._drafter(), k)

@@ -57,6 +57,7 @@ from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, Sam
 from splash_jax.engine.step_packer import StepShape, split_step_buffer, step_buffer, unpack_step
 from splash_jax.kv.cache import KVCache
 from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
+from splash_jax.kv.page_copy import PageCopier
 from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class StepExecutor(SamplerPrograms):
         self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
         expanded_min_tokens: int = 0, graph_scheduling: str = "concurrent", unroll_max_tokens: int = 0,
-        step_input_memory: str = "device", fused_max_tokens: int = 0,
+        step_input_memory: str = "device", fused_max_tokens: int = 0, expanded_spans: int = expanded.DEFAULT_SPANS,
     ):
         self.graphdef, state = nnx.split(model)
         leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -95,8 +96,8 @@ class StepExecutor(SamplerPrograms):
         self.move_pages = move_pages  # pages per device pair in a `moving` program (0: none)
         # Chunks worth expanding by this size (attention/expanded.worth_expanding) run in the
         # expanded form; buckets that can hold one get an `expanded` variant in layouts that can
-        # run it; 0: none.
-        self.expanded_min_tokens = expanded_min_tokens
+        # run it, with up to expanded_spans such chunks per device; 0: none.
+        self.expanded_min_tokens, self.expanded_spans = expanded_min_tokens, expanded_spans
         self._refused_expanded: set[tuple[str, Bucket]] = set()  # (layout, bucket) whose expanded program failed to build
         self.replicated = NamedSharding(mesh, P())
         self.per_device = NamedSharding(mesh, P(AXIS))
@@ -123,6 +124,7 @@ class StepExecutor(SamplerPrograms):
         self._compiled: dict[tuple[str, Bucket, bool, bool, bool, SamplerMode | None], object] = {}
         self._samplers: dict[tuple[int, SamplerMode], object] = {}  # (logits rows, mode) -> compiled
         self._open_masks: dict[int, jax.Array] = {}  # logits rows -> all-ones token mask on the device
+        self._page_copiers: dict[int, PageCopier] = {}  # pool segments -> copy-on-write page copy
         self.num_compiled = 0
         self.compile_seconds = 0.0
         self.compile_stats = CompileStats()  # start-up compiles by kind (steps here; migration: switch/controller.py)
@@ -153,6 +155,22 @@ class StepExecutor(SamplerPrograms):
         """Replace the pool by fn(pool): a precompiled program that donates it (page moves at
         handoff, dropping the extra segment)."""
         self.kv = fn(self.kv)
+
+    def copy_pages(self, buf) -> None:
+        """Copy pages within each device (copy-on-write; a kv/page_copy.pack_copies buffer)."""
+        copier = self._page_copiers.get(self.kv.num_segments)
+        if copier is None:  # only without warm-up
+            copier = self._page_copiers[self.kv.num_segments] = PageCopier(self.mesh, self.kv_abstract(self.layout))
+        self.kv = copier(self.kv, buf)
+
+    def compile_page_copies(self, layouts: list[Layout]) -> int:
+        """The page copy of every pool structure these layouts use (one or two segments)."""
+        todo = {self.kv_abstract(lay).num_segments: lay for lay in layouts}
+        todo = {k: lay for k, lay in todo.items() if k not in self._page_copiers}
+        for k, lay in todo.items():
+            self._page_copiers[k] = PageCopier(self.mesh, self.kv_abstract(lay))
+        self.num_compiled += len(todo)
+        return len(todo)
 
     def swap(self, layout: Layout, params: list[jax.Array], kv: KVCache) -> None:
         """Hand off to a new layout: its params and pool replace the old ones together."""
@@ -187,7 +205,7 @@ class StepExecutor(SamplerPrograms):
         layout = self.program_layout(layout)
         return StepShape(
             bucket.tokens, bucket.requests, self.n, self.kv_abstract(layout).num_segments, self.pages_per_request,
-            layout.owner_rows, self.widths, expanded,
+            layout.owner_rows, self.widths, expanded, self.expanded_spans,
         )
 
     def expands(self, layout: Layout, bucket: Bucket) -> bool:
@@ -434,6 +452,8 @@ class StepExecutor(SamplerPrograms):
         self.num_compiled += built
         self.compile_seconds += rec["seconds"]
         samplers = self.compile_samplers(layouts)
+        if not self.abstract:
+            self.compile_page_copies(layouts)
         log.info(
             "compiled %d step programs (%s) in %.1fs with %d threads (%d from the persistent cache) and %d sampler programs",
             built, ",".join(l.name for l in layouts), rec["seconds"], workers, rec["cache_hits"], samplers,

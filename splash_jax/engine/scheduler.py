@@ -5,6 +5,8 @@ schedule() -> SchedulerOutput, in order:
   2. Running requests part-way through their prefill continue, within the token budget.
   3. Waiting requests are admitted in arrival order while the token budget, the request
      limit, free slots and free pages allow; a prompt longer than the remaining budget is chunked.
+  Steps 2 and 3 follow engine/prefill_order.py: fcfs as above, or srpf (both together, shortest
+  remaining prompt first within a bounded age); while requests decode it may cap prefill tokens.
   A scheduled chunk counts as computed at once (num_computed advances when it is scheduled), so
   the next step can be scheduled before this one's tokens reach the host (overlapped
   scheduling); a chunk that reaches the end of the sequence samples a token, which stays
@@ -40,7 +42,9 @@ import collections
 import dataclasses
 import itertools
 import logging
+import time
 
+from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.request import Request, Status
 from splash_jax.engine.speculative import SpeculativeStats, accepted, can_speculate, max_drafts
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
@@ -72,6 +76,15 @@ class ScheduledChunk:
         if self.drafts:
             return len(self.drafts) + 1
         return self.end - self.lp_start if self.lp_start >= 0 else 1
+
+
+def cached_start(hit_pages: int, num_tokens: int, page_size: int) -> tuple[int, int]:
+    """(first position to compute, pages to share as they are) for a request whose first
+    hit_pages pages are cached. Its last token is always computed (for its logits): when the
+    cached pages cover it, the page holding it is copied on write (a private copy the request
+    writes that token and its next ones to), so a fully cached prompt computes one token."""
+    computed = min(hit_pages * page_size, num_tokens - 1)
+    return computed, min(hit_pages, computed // page_size)
 
 
 def cap_to_rows(request: Request, start: int, n: int, rows_left: int) -> int:
@@ -123,6 +136,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         balance_pages: int = 0,
         max_logits_rows: int | None = None,
+        prefill_order: PrefillOrder | None = None,
     ):
         self.allocator = allocator
         self.n = allocator.num_devices
@@ -135,6 +149,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_ids = set(eos_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.prefill_order = prefill_order or PrefillOrder()  # fcfs or srpf, the prefill cap beside decodes
         self.tables = PageTables(self.n, max_num_seqs, pages_per_request)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -145,6 +160,7 @@ class Scheduler:
         self.balance_pages = balance_pages
         self.cache_stats = CacheStats()
         self.cache: PrefixCache | None = PrefixCache(allocator, self.cache_stats) if enable_prefix_caching else None
+        self.page_copies: list[tuple[int, int]] = []  # copy-on-write copies for the next step (take_page_copies)
 
     def set_speculation(self, drafter, num_tokens: int) -> None:
         """drafter.propose(request, k) -> up to k draft token ids (None or num_tokens 0: off);
@@ -201,7 +217,14 @@ class Scheduler:
         decoding = [r for r in todo if r.num_tokens - r.num_computed == 1 and not self.sampling_done(r)]
         prefilling = [r for r in todo if r.num_tokens - r.num_computed > 1]
         drafts = self._propose(decoding, min(budget, rows))
-        for request in decoding + prefilling:
+        order = self.prefill_order  # engine/prefill_order.py: prefill work in order, its cap beside decodes
+        budget = order.prefill_budget(budget, len(decoding) + sum(map(len, drafts.values())))
+        deferred, admitting = [], True  # deferred: waiting for a block another request computes (kept in order)
+        for request in decoding + order.plan(prefilling, self.waiting, time.monotonic()):
+            if not isinstance(request, Request):  # admit up to this many from the waiting queue's front
+                if admitting:
+                    budget, rows, admitting = self._admit_waiting(request, budget, rows, chunks, scheduled, deferred)
+                continue
             if request not in self.running or budget == 0 or rows == 0:
                 continue  # preempted by an earlier request of this step, or out of budget
             mine = drafts.get(id(request), ())
@@ -225,14 +248,23 @@ class Scheduler:
             scheduled.add(id(request))
             budget -= n
             rows -= chunks[-1].num_rows
+        self.waiting.extendleft(reversed(deferred))
+        if self.lookahead:  # best effort, from the pages left: never preempts (missing pages cost drafts only)
+            for c in chunks:
+                if c.samples and c.request.status == Status.RUNNING:
+                    self.allocate(c.request, min(c.end + self.lookahead, self.max_model_len))
+        return SchedulerOutput(chunks, preempted)
 
-        deferred = []  # waiting for a block another request computes (kept in order)
-        while self.waiting and budget > 0 and rows > 0 and self._free_slots:
+    def _admit_waiting(self, limit, budget: int, rows: int, chunks: list, scheduled: set, deferred: list):
+        """Admit up to `limit` requests from the waiting queue's front while the budget, rows and
+        slots allow -> (budget, rows left, False once one did not fit: admission stops, in order)."""
+        while limit > 0 and self.waiting and budget > 0 and rows > 0 and self._free_slots:
+            limit -= 1
             request = self.waiting.popleft()
             admitted = self._admit(request, budget, rows)
-            if admitted is None:  # no room: admission stays in arrival order
+            if admitted is None:  # no room: admission stays in order
                 self.waiting.appendleft(request)
-                break
+                return budget, rows, False
             if admitted == 0:
                 deferred.append(request)
                 continue
@@ -240,12 +272,7 @@ class Scheduler:
             scheduled.add(id(request))
             budget -= admitted
             rows -= chunks[-1].num_rows
-        self.waiting.extendleft(reversed(deferred))
-        if self.lookahead:  # best effort, from the pages left: never preempts (missing pages cost drafts only)
-            for c in chunks:
-                if c.samples and c.request.status == Status.RUNNING:
-                    self.allocate(c.request, min(c.end + self.lookahead, self.max_model_len))
-        return SchedulerOutput(chunks, preempted)
+        return budget, rows, True
 
     def _propose(self, decoding: list[Request], room: int) -> dict[int, tuple[int, ...]]:
         """Drafts per decoding request (by id) from the rows and tokens left once each decoding
@@ -268,12 +295,12 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, rows: int) -> int | None:
         """Admit `request` with its cached prefix: the tokens of its first chunk, 0 if it waits for
         a block another request is computing, None if it does not fit now (nothing changed).
-        Some compute their whole prompt (Request.computes_whole_prompt)."""
+        Some compute their whole prompt (Request.computes_whole_prompt). A cached page that holds
+        its last token is copied on write (`cached_start`)."""
         cache, size = self.cache, self.page_size
         chain, hit = [], 0
-        limit = (request.num_tokens - 1) // size  # its last token is always computed
         if cache is not None and not request.computes_whole_prompt:
-            chain = cache.chain(request, limit)
+            chain = cache.chain(request, request.num_tokens // size)
             request.owner = self.choose_owner(chain, request)
             hit = cache.hits(chain, self.placement, request.owner)
             if cache.waits_for(chain, hit, request):
@@ -281,19 +308,31 @@ class Scheduler:
                 return 0
         else:
             request.owner = self.least_loaded_device()
-        computed = hit * size
+        computed, shared = cached_start(hit, request.num_tokens, size)
         remaining = request.num_tokens - computed
         n = cap_to_rows(request, computed, min(remaining, budget), rows)
         if not self.enable_chunked_prefill and n < remaining:
             return None
         request.slot = self._free_slots.pop()
-        request.device_pages = cache.take(request, chain, hit, self.placement) if hit else [[] for _ in range(self.n)]
+        request.device_pages = cache.take(request, chain, shared, self.placement) if shared else [[] for _ in range(self.n)]
         for d, pages in enumerate(request.device_pages):
             self.tables.append(request.slot, d, pages, self.placement, self.allocator)
-        if not self.allocate(request, computed + n):
+        sources = {}  # copy-on-write: device -> the cached page (held while the private one is allocated)
+        if shared < hit:
+            sources = {d: chain[shared].pages[d] for d in self.placement.devices_of_page(shared, request.owner, self.n)}
+            self.allocator.ref(list(sources.values()))
+        fits = self.allocate(request, computed + n)
+        if sources:
+            self.allocator.free(list(sources.values()))
+        if not fits:
             request.num_computed = 0
             self._release(request, cache_pages=False)
             return None
+        if sources:
+            entry = self.placement.entry_of(shared, self.n)
+            self.page_copies += [(src, request.device_pages[d][entry]) for d, src in sources.items()]
+            request.cache_nodes.append(chain[shared])  # the private copy holds that node's tokens
+            cache.stats.copied_pages += len(sources)
         request.num_computed = request.num_cacheable = computed
         if cache is not None:
             prompt = len(request.prompt_ids)
@@ -308,15 +347,22 @@ class Scheduler:
         self.running.append(request)
         return n
 
+    def take_page_copies(self) -> list[tuple[int, int]]:
+        """The (cached page, private page) copies admissions asked for since the last call: the
+        engine runs them before the step that computes those requests' tokens."""
+        copies, self.page_copies = self.page_copies, []
+        return copies
+
     def cached_prefix(self, request: Request) -> int:
         """Tokens of a waiting request's prompt admission would find cached now (the policy prices
         only the rest); 0 without a cache, or for a request that computes its whole prompt."""
         if self.cache is None or request.computes_whole_prompt:
             return 0
-        chain = self.cache.chain(request, (request.num_tokens - 1) // self.page_size)
+        chain = self.cache.chain(request, request.num_tokens // self.page_size)
         if not chain:
             return 0
-        return self.cache.hits(chain, self.placement, self.choose_owner(chain, request)) * self.page_size
+        hit = self.cache.hits(chain, self.placement, self.choose_owner(chain, request))
+        return cached_start(hit, request.num_tokens, self.page_size)[0]
 
     def choose_owner(self, chain: list, request: Request | None = None) -> int:
         """Owner of a request whose cached prefix is `chain`. Under an owner-bound placement: among

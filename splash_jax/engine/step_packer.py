@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from splash_jax.attention.expanded import worth_expanding
+from splash_jax.attention.expanded import DEFAULT_SPANS, span_capacities, worth_expanding
 from splash_jax.engine.sampler import SamplerWidths, SamplingInputs
 from splash_jax.kv.cache import StepInput
 from splash_jax.kv.page_table import PageTables
@@ -78,7 +78,8 @@ class StepShape:
     pages: int  # M: page-table width (pages a request may hold on one device)
     owner_rows: bool
     widths: SamplerWidths
-    expanded: bool = False  # the program runs one prefill chunk per device in the expanded form
+    expanded: bool = False  # the program runs up to `spans` prefill chunks per device in the expanded form
+    spans: int = DEFAULT_SPANS  # rows of an expanded program's prefill_span (EngineConfig.expanded_prefill_spans)
 
     @property
     def total_tokens(self) -> int:
@@ -104,7 +105,7 @@ class StepShape:
             Field("token_request", (t,), np.int32), Field("write_offset", (t,), np.int32),
             Field("write_page", (g, t), np.int32), Field("kv_lens", (g, t), np.int32),
             Field("page_table", (g, self.requests, self.pages), np.int32),
-        ) + ((Field("prefill_span", (2,), np.int32),) if self.expanded else ()))
+        ) + ((Field("prefill_span", (self.spans, 2), np.int32),) if self.expanded else ()))
 
 
 def step_buffer(rep: np.ndarray, dev: np.ndarray) -> np.ndarray:
@@ -181,9 +182,9 @@ def pack_step(
     """Pack scheduled chunks (scheduler.ScheduledChunk) into one step's buffers.
 
     all_logits: every token slot gets a logits row (the reference runner's prefill checks).
-    span_min_tokens: with shape.expanded, each device's chunk with the most query-key pairs among
-    those worth expanding (attention/expanded.worth_expanding) becomes its prefill_span; none: an
-    empty span.
+    span_min_tokens: with shape.expanded, each device's shape.spans chunks with the most query-key
+    pairs among those worth expanding (attention/expanded.worth_expanding) become its prefill_span
+    rows (prefill_spans); the rest run absorbed.
     """
     n, tq, rq, g = shape.devices, shape.tokens, shape.requests, shape.segments
     num = len(chunks)
@@ -305,7 +306,7 @@ def pack_step(
                   "kv_lens": kv_lens, "page_table": page_table}
     if shape.expanded:
         per_device["prefill_span"] = prefill_spans(
-            n, lengths, starts, lslot, owners if shape.owner_rows else None, span_min_tokens)
+            n, lengths, starts, lslot, owners if shape.owner_rows else None, span_min_tokens, shape.spans, tq)
     rep = shape.replicated_spec().pack({
         "tokens": tokens, "positions": positions, "src_row": src_row, "token_slot": token_slot,
         "prompt_len": prompt_len, "logits_index": logits_index,
@@ -316,16 +317,21 @@ def pack_step(
 
 
 def prefill_spans(n: int, lengths: np.ndarray, starts: np.ndarray, lslot: np.ndarray, owners: np.ndarray | None,
-                  min_tokens: int) -> np.ndarray:
-    """[N, 2] (first slot, length) of each device's chunk worth expanding with the most query-key
-    pairs ((0, 0) if none). owners None: every device sees every chunk (tp, cp); else a chunk is on
-    its owner only."""
-    spans = np.zeros((n, 2), np.int32)
+                  min_tokens: int, spans: int = DEFAULT_SPANS, tokens: int | None = None) -> np.ndarray:
+    """[N, spans, 2] (first slot, length) of each device's chunks worth expanding: the `spans` with
+    the most query-key pairs, longest first (the capacity of a span row, attention/expanded.
+    span_capacities, holds the i-th longest of disjoint chunks), then (0, 0) rows. owners None:
+    every device sees every chunk (tp, cp); else a chunk is on its owner only. tokens: the step's
+    slots per device (checks the capacities)."""
+    out = np.zeros((n, spans, 2), np.int32)
     pairs = lengths * (starts + lengths)
     ok = worth_expanding(lengths, starts + lengths, min_tokens)
+    caps = span_capacities(tokens, spans) if tokens else None
     for d in range(n):
         mine = np.flatnonzero(ok & (True if owners is None else owners == d))
-        if len(mine):
-            best = mine[np.argmax(pairs[mine])]
-            spans[d] = (lslot[best], lengths[best])
-    return spans
+        best = mine[np.argsort(-pairs[mine], kind="stable")[:spans]]
+        best = best[np.argsort(-lengths[best], kind="stable")]
+        if caps is not None and np.any(lengths[best] > caps[: len(best)]):
+            raise ValueError(f"chunks of {lengths[best].tolist()} tokens overlap in {tokens} slots")
+        out[d, : len(best)] = np.stack([lslot[best], lengths[best]], axis=-1)
+    return out

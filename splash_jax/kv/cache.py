@@ -112,8 +112,9 @@ class StepInput:
     kv_lens: jax.Array  # [T] int32, positions the token attends to (its position + 1; 0 = padding)
     page_table: jax.Array  # [R, M] int32
     logits_index: jax.Array  # [N] int32, token slots whose logits are wanted
-    # [2] int32 per device (first token slot, length): one prefill chunk whose attention runs in
-    # the expanded form (attention/expanded.py); None in programs without that path.
+    # [S, 2] int32 per device (first token slot, length; longest first, unused rows of length 0):
+    # up to S prefill chunks whose attention runs in the expanded form (attention/expanded.py);
+    # None in programs without that path.
     prefill_span: jax.Array | None = None
     # [T] bool, replicated: real tokens (False: padding slots). The MoE routes no padding row, so
     # padding never makes a step read another expert. None: every row counts.

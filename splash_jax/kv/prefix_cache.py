@@ -46,10 +46,11 @@ class CacheStats:
     queries: int = 0  # prompt tokens looked up at admission (cumulative)
     hits: int = 0  # of those, tokens found cached
     deferred: int = 0  # admissions postponed to share a block another request was computing
+    copied_pages: int = 0  # cached pages copied on write (the page holding a fully cached prompt's last token)
 
     def as_dict(self) -> dict:
         return {"queries": self.queries, "hits": self.hits, "hit_rate": self.hits / self.queries if self.queries else 0.0,
-                "deferred": self.deferred}
+                "deferred": self.deferred, "copied_pages": self.copied_pages}
 
 
 class PrefixCache:

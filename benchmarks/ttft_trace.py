@@ -1,0 +1,231 @@
+"""Time to first token on real-traffic-shaped load, per prefill order (issue 46), one engine.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
+        .venv/bin/python -m benchmarks.ttft_trace --num-requests 24 --tokens-per-block 8 --time-scale 2 \\
+        --max-num-batched-tokens 128 --unloaded-repeats 1 --policies fcfs:0,srpf:64
+                                                (bundled model, the first 24 rows, each block as 8 tokens,
+                                                 half speed: a smoke run of about a minute)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m benchmarks.ttft_trace --shape v2-lite --num-layers 27 \\
+        --dtype bfloat16 --layout tp --page-size 64 --max-num-batched-tokens 8192 --max-model-len 34000 \\
+        --kv-memory-gb 60 --max-num-seqs 128    (one H200, V2-Lite's 27 layers, dummy bf16 weights; each
+                                                 policy replays 120 s: add e.g. --policies srpf:0,fcfs:4096
+                                                 or srpf:2048,srpf:4096:2 in further runs to separate effects)
+
+The trace (benchmarks/traces/mooncake_ttft.jsonl, Mooncake's format) is synthetic, made to match
+the conversation trace the issue measured: 379 requests over 120 s, prompts 109..32,407 tokens
+(mean 9.2K, median 6.1K), 300 output tokens on average, 12.5% of its 512-token blocks repeat an
+earlier row's. It is made by
+    .venv/bin/python -m benchmarks.traces.make_mooncake --sessions 375 --duration-s 120 \\
+        --mean-turns 1.3 --think-s 20 --system-prompts 4 --system-blocks 4 --no-system 0.9 \\
+        --user-median 7000 --user-sigma 1.3 --min-user 1 --max-blocks 64 --window-s 120 \\
+        --out benchmarks/traces/mooncake_ttft.jsonl
+It is replayed by the wall clock as benchmarks/dynamic.py replays it (`serve`: a request is added
+at the first step boundary after its arrival; TTFT counts from the arrival), once per policy,
+every run starting with an empty prefix cache, greedy with ignore_eos to each row's output length.
+
+--policies: comma-separated NAME[:CAP[:WAIT]] (engine/prefill_order.py): NAME fcfs or srpf, CAP
+the prefill tokens a step may take while requests decode (0: no cap; default 0), WAIT srpf's age
+bound in trace seconds (default --max-prefill-wait-s), multiplied by --time-scale as arrival
+times are. The default compares today's order (fcfs:0) with srpf and a 4096-token cap.
+
+Unloaded TTFT: the trace's median-length prompt and its longest, each alone on the idle engine
+with an empty cache (--unloaded-repeats runs, the median kept). Reported per policy: TTFT and TPOT
+p50/p99, output tokens/s, ttft_p50_over_unloaded_median, ttft_p99_over_unloaded_longest,
+tpot_p99_over_p50, TTFT p50 per prompt-length quartile, the step intervals by kind
+(engine/step_timeline.py), prefix-cache hit rate, and how many outputs equal the first policy's
+(float32 on CPU: all; bf16 on a GPU, dummy weights, other chunkings flip near-tied tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from benchmarks import workloads as W
+from benchmarks.common import percentiles, table, write_results
+from benchmarks.dynamic import serve, summarize
+from benchmarks.shapes import shape_folder
+from splash_jax.engine import Engine, EngineConfig
+from splash_jax.engine.config import add_dataclass_args
+from splash_jax.engine.prefill_order import PrefillOrder
+from splash_jax.engine.step_timeline import StepTimeline
+
+log = logging.getLogger("benchmarks.ttft_trace")
+# benchmarks/traces/mooncake_ttft.jsonl = make_mooncake.generate(**TRACE) (the command above)
+TRACE = {"sessions": 375, "duration_s": 120.0, "mean_turns": 1.3, "think_s": 20.0, "system_prompts": 4,
+         "system_blocks": 4, "no_system": 0.9, "user_median": 7000, "user_sigma": 1.3, "min_user": 1, "max_blocks": 64,
+         "window_s": 120.0}
+
+
+@dataclasses.dataclass
+class TraceBenchConfig:
+    shape: str = ""  # v2-lite | v3 (dummy weights); empty = the bundled model
+    num_layers: int = 0  # with --shape: layers of the slice (0 = the full model)
+    trace: str = str(W.TRACES / "mooncake_ttft.jsonl")  # Mooncake-format JSONL
+    block_size: int = 512  # tokens per hash id in the trace
+    tokens_per_block: int = 0  # replay each block as this many tokens, output lengths scaled alike (0 = unscaled)
+    num_requests: int = 0  # replay the first N rows (0 = all)
+    time_scale: float = 1.0  # multiplies arrival times (and srpf's age bound)
+    policies: str = "fcfs:0,srpf:4096"  # NAME[:CAP[:WAIT]], comma-separated (see above)
+    unloaded_repeats: int = 3  # runs of each unloaded prompt (the median is kept)
+    bench_seed: int = 0  # seeds block tokens
+    max_run_s: float = 1800.0  # a run still going after this is stopped and marked incomplete
+
+
+def parse_policies(spec: str, default_wait: float, time_scale: float) -> list[tuple[str, PrefillOrder]]:
+    out = []
+    for item in spec.split(","):
+        parts = item.strip().split(":")
+        if not 1 <= len(parts) <= 3 or not parts[0]:
+            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT]] items, got {item!r}")
+        cap = int(parts[1]) if len(parts) > 1 else 0
+        wait = float(parts[2]) if len(parts) > 2 else default_wait
+        out.append((item.strip(), PrefillOrder(parts[0], wait * time_scale, cap)))
+    return out
+
+
+def build_engine(config: EngineConfig, c: TraceBenchConfig) -> Engine:
+    if c.shape:
+        config.model = str(shape_folder(c.shape, **({"num_hidden_layers": c.num_layers} if c.num_layers else {})))
+        config.load_format = "dummy"
+    t0 = time.perf_counter()
+    engine = Engine(config)
+    log.info("engine ready in %.1fs (%d programs, %s, %d tokens of KV, max_model_len %d)", time.perf_counter() - t0,
+             engine.executor.num_compiled, engine.layout.name, engine.kv_capacity_tokens(), engine.max_model_len)
+    return engine
+
+
+def use(engine: Engine, order: PrefillOrder) -> None:
+    """Serve with `order` from now on (the engine is idle)."""
+    engine.scheduler.prefill_order = order
+    engine.config.scheduling_policy, engine.config.max_prefill_wait_s = order.policy, order.max_wait_s
+    engine.config.max_prefill_tokens_with_decodes = order.max_prefill_tokens_with_decodes
+
+
+def unloaded_ttft(engine: Engine, a: W.Arrival, c: TraceBenchConfig) -> dict:
+    """TTFT of `a`'s prompt alone on the idle engine, cold cache, fcfs (nothing else runs)."""
+    use(engine, PrefillOrder())
+    alone = dataclasses.replace(a, t=0.0, output_len=1)
+    runs = []
+    for _ in range(c.unloaded_repeats):
+        r = serve(engine, [alone], c.bench_seed, "on", c.max_run_s, "unloaded").records[0]
+        runs.append(r.first_token - r.arrival)
+    return {"prompt_len": a.prompt_len, "ttft_s": float(np.median(runs)), "runs_s": runs}
+
+
+def by_quartile(records) -> list[dict]:
+    """TTFT p50 of the requests in each quarter of the prompt lengths (shortest first)."""
+    done = sorted((r for r in records if r.first_token is not None), key=lambda r: r.prompt_len)
+    out = []
+    for part in np.array_split(np.arange(len(done)), 4):
+        rs = [done[i] for i in part]
+        if rs:
+            out.append({"prompt_len": [rs[0].prompt_len, rs[-1].prompt_len],
+                        "ttft_s": percentiles([r.first_token - r.arrival for r in rs], (50, 99))})
+    return out
+
+
+def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrder, c: TraceBenchConfig) -> dict:
+    use(engine, order)
+    engine.timeline = StepTimeline()  # this run's step intervals only
+    t0 = time.perf_counter()
+    s = serve(engine, arrivals, c.bench_seed, "on", c.max_run_s, name)
+    out = summarize(s.records, s.samples, s.preemptions, [])
+    out |= {"policy": order.policy, "max_wait_s": order.max_wait_s, "cap": order.max_prefill_tokens_with_decodes,
+            "complete": s.complete, "prefix_cache": s.prefix_cache, "host_ms": s.host_ms,
+            "wrong_lengths": sum(r.tokens != r.output_len for r in s.records if r.finished is not None),
+            "step_intervals": engine.timeline.summary(), "ttft_by_length_quartile": by_quartile(s.records),
+            "outputs": s.outputs, "run_s": time.perf_counter() - t0,
+            # per request: prompt tokens, arrival, first token, finish (s from the run's start), output tokens
+            "per_request": [[r.prompt_len, r.arrival, r.first_token, r.finished, r.tokens] for r in s.records]}
+    return out
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def rows_of(results: dict, unloaded: dict) -> list[dict]:
+    rows, first = [], next(iter(results.values()), None)
+    for name, r in results.items():
+        ttft, tpot = r["ttft_s"], r["tpot_s"]
+        steps = r["step_intervals"]
+        rows.append({
+            "policy": name, "ttft_p50": ttft["p50"], "ttft_p99": ttft["p99"], "tpot_p50": tpot["p50"],
+            "tpot_p99": tpot["p99"], "tok_s": r["tokens_per_s"],
+            "ttft_p50_over_unloaded_median": ratio(ttft["p50"], unloaded["median"]["ttft_s"]),
+            "ttft_p99_over_unloaded_longest": ratio(ttft["p99"], unloaded["longest"]["ttft_s"]),
+            "tpot_p99_over_p50": ratio(tpot["p99"], tpot["p50"]),
+            "step_p99_ms": (steps.get("with_prefill") or {}).get("p99_ms"),
+            "hit_rate": r["hit_rate"], "preempt": r["preemptions"], "done": f"{r['completed']}/{r['requests']}",
+            "same_outputs": sum(a == b for a, b in zip(r["outputs"], first["outputs"])),
+        })
+    return rows
+
+
+COLUMNS = ["policy", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "tok_s", "ttft_p50_over_unloaded_median",
+           "ttft_p99_over_unloaded_longest", "tpot_p99_over_p50", "step_p99_ms", "hit_rate", "preempt", "done",
+           "same_outputs"]
+
+
+def trace_stats(arrivals: list[W.Arrival], ratio_: float) -> dict:
+    lens = np.array([a.prompt_len for a in arrivals]) / ratio_
+    return {"requests": len(arrivals), "duration_s": arrivals[-1].t if arrivals else 0.0,
+            "prompt_tokens_unscaled": {"mean": float(lens.mean()), "median": float(np.median(lens)),
+                                       "min": float(lens.min()), "max": float(lens.max())},
+            "output_tokens_mean": float(np.mean([a.output_len for a in arrivals])),
+            "block_reuse": W.block_reuse(arrivals)}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineConfig.add_cli_args(p)
+    add_dataclass_args(p.add_argument_group("benchmark"), TraceBenchConfig)
+    # CPU sizes (the bundled model; --max-pages 512 applies to it only: with --shape memory sizes the pool)
+    p.set_defaults(page_size=16, max_num_seqs=32, max_num_batched_tokens=256, min_token_bucket=16)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    config = EngineConfig.from_cli_args(args)
+    c = TraceBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TraceBenchConfig)})
+    if not c.shape and config.max_pages is None:
+        config.max_pages = 512
+    policies = parse_policies(c.policies, config.max_prefill_wait_s, c.time_scale)
+    arrivals = W.read_mooncake(c.trace, c.block_size, c.tokens_per_block, c.time_scale, c.num_requests)
+    stats = trace_stats(arrivals, (c.tokens_per_block or c.block_size) / c.block_size)
+    log.info("trace %s: %s", c.trace, stats)
+    engine = build_engine(config, c)
+    by_len = sorted(range(len(arrivals)), key=lambda i: arrivals[i].prompt_len)
+    unloaded = {"median": unloaded_ttft(engine, arrivals[by_len[(len(by_len) - 1) // 2]], c),
+                "longest": unloaded_ttft(engine, arrivals[by_len[-1]], c)}
+    log.info("unloaded TTFT: median-length prompt (%d tokens) %.4g s, longest (%d tokens) %.4g s",
+             unloaded["median"]["prompt_len"], unloaded["median"]["ttft_s"], unloaded["longest"]["prompt_len"],
+             unloaded["longest"]["ttft_s"])
+    results = {}
+    for name, order in policies:
+        results[name] = r = run(engine, arrivals, name, order, c)
+        log.info("%s: TTFT p50 %.4g p99 %.4g s, TPOT p50 %.4g p99 %.4g s, %.4g tok/s, %d/%d done (%.1fs)", name,
+                 r["ttft_s"]["p50"] or 0, r["ttft_s"]["p99"] or 0, r["tpot_s"]["p50"] or 0, r["tpot_s"]["p99"] or 0,
+                 r["tokens_per_s"], r["completed"], r["requests"], r["run_s"])
+    rows = rows_of(results, unloaded)
+    print(f"unloaded TTFT: median-length prompt {unloaded['median']['ttft_s']:.4g} s "
+          f"({unloaded['median']['prompt_len']} tokens), longest {unloaded['longest']['ttft_s']:.4g} s "
+          f"({unloaded['longest']['prompt_len']} tokens)")
+    print(table(rows, COLUMNS))
+    return write_results("ttft_trace", {
+        "args": vars(args), "bench": dataclasses.asdict(c), "engine": dataclasses.asdict(config), "trace": stats,
+        "unloaded": unloaded, "rows": rows,
+        "runs": {k: {f: v for f, v in r.items() if f != "outputs"} for k, r in results.items()},
+    })
+
+
+if __name__ == "__main__":
+    main()

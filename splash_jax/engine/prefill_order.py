@@ -1,0 +1,90 @@
+"""Which prefill work a step takes first, and how much of it shares a step with decodes.
+
+The scheduler (engine/scheduler.py) gives each step's token budget to decoding requests first
+(one token each, plus drafts), then to prefill work: requests part-way through their prompt
+(running) and requests not admitted yet (waiting). `PrefillOrder.plan` orders that prefill work:
+
+  fcfs  running prefills in admission order, then the waiting queue in arrival order (a request
+        that was preempted is at its front): the scheduler's order before this module existed.
+  srpf  shortest remaining prefill first within a bounded age, over running and waiting requests
+        together (a long prompt being prefilled no longer holds the budget while short ones wait):
+          1. requests preempted earlier (they recompute what they had: never passed again);
+          2. requests whose first token has waited more than `max_wait_s` since their arrival,
+             oldest first (no prompt waits without bound behind a stream of shorter ones);
+          3. the rest, fewest prompt tokens left to compute first (num_tokens - num_computed;
+             a waiting request's cached prefix is not subtracted: looking it up for every
+             waiting request every step costs a tree walk each), ties by arrival.
+        SGLang's schedule policies and vLLM's priority scheduling make similar choices; the age
+        bound is ours.
+
+`max_prefill_tokens_with_decodes` (0 = off): while any request decodes, a step takes at most
+that many prefill tokens, so a decode step is never one long prefill chunk (decode latency,
+TPOT, stays near the decode step's time); steps without decodes use the whole budget. The step
+shapes stay within the compiled buckets (fewer tokens than max_num_batched_tokens).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+POLICIES = ("fcfs", "srpf")
+ALL = math.inf  # a plan entry: admit from the waiting queue's front until something does not fit
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillOrder:
+    policy: str = "fcfs"  # fcfs | srpf
+    max_wait_s: float = 1.0  # srpf: past this age (since arrival) a request goes first, oldest first
+    max_prefill_tokens_with_decodes: int = 0  # prefill tokens per step while requests decode (0: no cap)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not self.max_wait_s >= 0:
+            raise ValueError(f"--max-prefill-wait-s must be >= 0, got {self.max_wait_s}")
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise ValueError(f"--max-prefill-tokens-with-decodes must be >= 0, got {self.max_prefill_tokens_with_decodes}")
+
+    @classmethod
+    def of(cls, config) -> PrefillOrder:
+        """From an EngineConfig's scheduling_policy, max_prefill_wait_s, max_prefill_tokens_with_decodes."""
+        return cls(config.scheduling_policy, config.max_prefill_wait_s, config.max_prefill_tokens_with_decodes)
+
+    def key(self, request, now: float) -> tuple:
+        """srpf's rank of a request (smaller first): (tier, then within the tier)."""
+        arrival = request.metrics.arrival
+        if request.metrics.num_preemptions:
+            return (0, arrival, 0)
+        if now - arrival > self.max_wait_s:
+            return (1, arrival, 0)
+        return (2, request.num_tokens - request.num_computed, arrival)
+
+    def plan(self, prefilling: list, waiting: collections.deque, now: float) -> list:
+        """The step's prefill work in order: running requests (continue their prefill) and numbers
+        k (admit up to k requests from the front of `waiting`, which srpf sorts in place, so the
+        queue's front is next in rank; the last entry is ALL). The scheduler stops admitting at
+        the first request that does not fit, as before."""
+        if self.policy == "fcfs":
+            return prefilling + [ALL]
+        key = {id(r): self.key(r, now) for r in (*prefilling, *waiting)}
+        queue = sorted(waiting, key=lambda r: key[id(r)])  # stable: equal keys keep queue order
+        waiting.clear()
+        waiting.extend(queue)
+        out, k = [], 0
+        for r in sorted(prefilling, key=lambda r: key[id(r)]):
+            while k < len(queue) and key[id(queue[k])] < key[id(r)]:
+                k += 1
+            if k:
+                out.append(k)
+                queue, k = queue[k:], 0
+            out.append(r)
+        return out + [ALL]
+
+    def prefill_budget(self, budget: int, decode_tokens: int) -> int:
+        """The step's token budget once the decodes' `decode_tokens` are counted in it: capped so
+        prefill chunks get at most max_prefill_tokens_with_decodes while anything decodes (a
+        decode dropped from the step, preempted by another, leaves its token to prefill)."""
+        cap = self.max_prefill_tokens_with_decodes
+        return min(budget, decode_tokens + cap) if decode_tokens and cap else budget

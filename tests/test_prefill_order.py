@@ -1,0 +1,196 @@
+"""Prefill order (engine/prefill_order.py): the ranking itself, the scheduler under srpf and the
+prefill cap beside decodes on a fake step, and the engine: the same greedy outputs as fcfs, with
+no compile after warm-up."""
+
+import collections
+
+import numpy as np
+import pytest
+
+from splash_jax.engine.prefill_order import ALL, PrefillOrder
+from splash_jax.engine.request import Request, SamplingParams
+from splash_jax.engine.scheduler import Scheduler
+from splash_jax.kv.allocator import PageAllocator
+from splash_jax.kv.placement import REPLICATED
+
+
+def req(rid, prompt_len, arrival, computed=0, preempted=0, max_tokens=4):
+    r = Request(rid, list(range(2, 2 + prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    r.metrics.arrival, r.num_computed, r.metrics.num_preemptions = arrival, computed, preempted
+    return r
+
+
+def ids(items):
+    return [x.request_id if isinstance(x, Request) else x for x in items]
+
+
+def test_srpf_ranks_preempted_then_aged_oldest_first_then_fewest_tokens_left_ties_by_arrival():
+    order = PrefillOrder("srpf", max_wait_s=10.0)
+    long_old = req("long_old", 100, arrival=0.0)
+    short_a, short_b = req("short_a", 10, arrival=2.0), req("short_b", 10, arrival=1.0)  # tie: earlier first
+    mid = req("mid", 50, arrival=0.5, computed=42)  # part-way: 8 tokens left
+    back = req("back", 300, arrival=5.0, preempted=1)
+    waiting = collections.deque([long_old, short_a, short_b, back])
+    assert ids(order.plan([], waiting, now=9.0)) == [ALL]
+    assert ids(waiting) == ["back", "short_b", "short_a", "long_old"]  # sorted in place
+    # running and waiting merged: `mid` (8 left) before the waiting 10-token ones
+    waiting = collections.deque([long_old, short_a, short_b])
+    assert ids(order.plan([mid], waiting, now=9.0)) == ["mid", ALL]
+    assert ids(waiting) == ["short_b", "short_a", "long_old"]
+    # past the age bound the oldest goes first: long_old (age 11), then mid (age 10.5), then the rest
+    waiting = collections.deque([short_a, long_old, short_b])
+    assert ids(order.plan([mid], waiting, now=11.0)) == [1, "mid", ALL]
+    assert ids(waiting) == ["long_old", "short_b", "short_a"]
+    # a running prefill ranked after waiting ones: admit those first, then continue it
+    big = req("big", 200, arrival=0.2, computed=100)  # 100 left, as long_old, which arrived earlier
+    waiting = collections.deque([long_old, short_a])
+    assert ids(order.plan([big, mid], waiting, now=9.0)) == ["mid", 2, "big", ALL]
+    assert ids(waiting) == ["short_a", "long_old"]
+
+
+def test_fcfs_keeps_admission_and_queue_order():
+    order = PrefillOrder()
+    running = [req("b", 90, 1.0, computed=10), req("a", 20, 0.0, computed=10)]
+    waiting = collections.deque([req("c", 500, 2.0), req("d", 3, 3.0)])
+    assert ids(order.plan(running, waiting, now=100.0)) == ["b", "a", ALL]
+    assert ids(waiting) == ["c", "d"]
+
+
+def test_bad_settings_are_refused():
+    for kw in ({"policy": "lifo"}, {"max_wait_s": -1.0}, {"max_prefill_tokens_with_decodes": -1}):
+        with pytest.raises(ValueError):
+            PrefillOrder(**kw)
+
+
+def fake_token(r):
+    return (sum(r.token_slice(max(0, r.num_known - 3), r.num_known)) * 31 + r.num_known) % 48 + 2
+
+
+def drive(order, arrivals, budget=16):
+    """A scheduler on a fake step (tokens depend only on the sequence); arrivals: step -> requests.
+    Returns (outputs by id, first-token step by id, [(prefill tokens, decode rows) per step])."""
+    sched = Scheduler(PageAllocator(1, 400, 4), max_num_seqs=8, max_num_batched_tokens=budget, placement=REPLICATED,
+                      max_model_len=256, pages_per_request=64, prefill_order=order)
+    first, steps, reqs, t = {}, [], {}, 0
+    while t < 1000 and (sched.has_work() or any(k >= t for k in arrivals)):
+        for rid, n, out in arrivals.get(t, []):
+            reqs[rid] = r = req(rid, n, arrival=float(t), max_tokens=out)
+            sched.add(r)
+        chunks = sched.schedule().chunks
+        # a decode: a request with one token left (a sampled one, or the last of its prompt)
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt_ids) - 1]
+        steps.append((sum(c.num_tokens for c in chunks) - len(decodes), len(decodes)))
+        sched.dispatched(chunks)
+        sampling = [c for c in chunks if c.samples]
+        for c in sampling:
+            first.setdefault(c.request.request_id, t)
+        sched.update(chunks, list(range(len(sampling))), np.array([fake_token(c.request) for c in sampling]))
+        t += 1
+    return {k: r.output_ids for k, r in reqs.items()}, first, steps
+
+
+ARRIVALS = {0: [("long", 60, 12)], 1: [("s1", 6, 12), ("s2", 9, 12)], 3: [("s3", 5, 6), ("long2", 40, 6)]}
+
+
+def test_srpf_lets_short_prompts_pass_a_long_one_with_the_same_outputs():
+    plain, first_fcfs, _ = drive(PrefillOrder(), ARRIVALS)
+    out, first, _ = drive(PrefillOrder("srpf", max_wait_s=1e9), ARRIVALS)
+    assert out == plain and all(len(v) for v in out.values())
+    assert first["s1"] < first_fcfs["s1"] and first["s2"] < first_fcfs["s2"] and first["s3"] < first_fcfs["s3"]
+    assert first["long"] > first_fcfs["long"]
+    # an age bound of 0 is arrival order: the long prompt, first to arrive, first to finish
+    _, first0, _ = drive(PrefillOrder("srpf", max_wait_s=0.0), ARRIVALS)
+    assert first0["long"] == first_fcfs["long"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "srpf"])
+def test_the_prefill_cap_holds_while_requests_decode(policy):
+    cap = 5
+    plain, _, uncapped = drive(PrefillOrder(policy, 1e9), ARRIVALS)
+    out, _, steps = drive(PrefillOrder(policy, 1e9, max_prefill_tokens_with_decodes=cap), ARRIVALS)
+    assert out == plain
+    assert all(prefill <= cap for prefill, decodes in steps if decodes)
+    assert any(prefill == cap for prefill, decodes in steps if decodes)  # the cap was what limited them
+    assert any(prefill > cap for prefill, decodes in uncapped if decodes)  # ...and without it steps were longer
+    assert any(prefill > cap for prefill, decodes in steps if not decodes)  # no decodes: the whole budget
+
+
+def test_engine_srpf_with_a_cap_gives_fcfs_outputs_and_compiles_nothing():
+    from splash_jax.compile_guard import count_compiles
+    from splash_jax.engine import Engine, EngineConfig
+    from splash_jax.engine.request import accumulate
+    from splash_jax.model import RuntimeOptions
+    from splash_jax.paths import DEFAULT_MODEL
+    from splash_jax.weights.loader import load_model
+
+    model = load_model(DEFAULT_MODEL, RuntimeOptions(dtype="float32", attention_impl="xla"))
+    engine = Engine(EngineConfig(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=96,
+                                 compile_cache_dir=None, scheduling_policy="srpf", max_prefill_wait_s=1e9,
+                                 max_prefill_tokens_with_decodes=8), model=model)
+    long = "Serving engines batch requests continuously; each step mixes prefill chunks with decode tokens. " * 3
+    prompts = [long, "MLA", "Hi there", "x = 1", long[:120], "The quick brown fox"]
+    arrivals = [0, 1, 1, 2, 2, 6]
+
+    def run():
+        engine.set_prefix_caching(False)  # each run starts with an empty cache
+        engine.set_prefix_caching(True)
+        acc, rid, first, pending, step = {}, {}, {}, sorted(zip(arrivals, range(len(prompts)))), 0
+        while pending or engine.has_work():
+            while pending and pending[0][0] <= step:
+                i = pending.pop(0)[1]
+                rid[engine.add_request(prompts[i], SamplingParams(max_tokens=10))] = i
+            for o in accumulate(acc, engine.step()):
+                first.setdefault(rid[o.request_id], step)
+            step += 1
+        return {rid[k]: o.token_ids for k, o in acc.items()}, first
+
+    with count_compiles() as compiles:
+        srpf, first_srpf = run()
+        engine.scheduler.prefill_order = PrefillOrder()  # fcfs, no cap: the order before this module
+        fcfs, first_fcfs = run()
+    assert compiles.count == 0, compiles.events
+    assert srpf == fcfs and all(len(v) == 10 for v in srpf.values())
+    assert first_srpf[1] < first_fcfs[1] and first_srpf[0] > first_fcfs[0]  # the short ones passed the long one
+
+
+def test_the_ttft_trace_is_reproducible_and_has_the_issues_statistics():
+    import json
+
+    from benchmarks import workloads as W
+    from benchmarks.traces import make_mooncake
+    from benchmarks.ttft_trace import TRACE
+
+    rows = [json.loads(line) for line in (W.TRACES / "mooncake_ttft.jsonl").read_text().splitlines()]
+    assert rows == make_mooncake.generate(**TRACE)
+    lengths = np.array([r["input_length"] for r in rows])
+    assert len(rows) == 379 and rows[-1]["timestamp"] <= 120_000
+    assert 8_500 < lengths.mean() < 10_000 and lengths.min() < 512 and 30_000 < lengths.max() <= 32 * 1024
+    assert 0.11 < make_mooncake.reuse(rows) < 0.15
+
+
+@pytest.mark.parametrize("cap", [0, 3])
+def test_srpf_keeps_every_page_consistent_under_random_interleavings(cap):
+    """tests/test_prefix_cache.py's random adds, steps, aborts and preemptions (prefix caching on,
+    pages checked against a shadow of their contents), with srpf: the same outputs as fcfs."""
+    from unittest import mock
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from splash_jax.engine import scheduler as scheduler_module
+    from tests.test_prefix_cache import OP
+    from tests.test_prefix_cache import drive as drive_ops
+
+    srpf = PrefillOrder("srpf", max_wait_s=1e9, max_prefill_tokens_with_decodes=cap)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(ops=st.lists(OP, min_size=1, max_size=30), pages=st.integers(5, 14))
+    def check(ops, pages):
+        plain, _ = drive_ops(ops, REPLICATED, 2, True, pages)
+        with mock.patch.object(scheduler_module, "PrefillOrder", lambda: srpf):
+            ordered, sched = drive_ops(ops, REPLICATED, 2, True, pages)
+        assert sched.prefill_order is srpf
+        if not any(op[0] in ("abort", "preempt") for op in ops):  # those pick requests by position
+            assert ordered == plain
+
+    check()
