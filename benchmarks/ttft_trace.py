@@ -7,7 +7,7 @@
                                                  half speed: a smoke run of about a minute)
     XLA_PYTHON_CLIENT_PREALLOCATE=false python -m benchmarks.ttft_trace --shape v2-lite --num-layers 27 \\
         --dtype bfloat16 --layout tp --page-size 64 --max-num-batched-tokens 8192 --max-model-len 34000 \\
-        --kv-memory-gb 60 --max-num-seqs 128    (one H200, V2-Lite's 27 layers, dummy bf16 weights; each
+        --kv-memory-gb 40 --max-num-seqs 128    (one H200, V2-Lite's 27 layers, dummy bf16 weights; each
                                                  policy replays 120 s: add e.g. --policies srpf:0,fcfs:4096
                                                  or srpf:2048,srpf:4096:2 in further runs to separate effects)
 

@@ -447,7 +447,7 @@ def test_running_every_program_once_leaves_outputs_and_history_unchanged(engine,
         ran = engine.run_every_program_once()
         greedy_only = engine.run_every_program_once(full_sampler=False)
     assert compiles.count == 0, compiles.events
-    movers = len(LAYOUT_NAMES)  # the handoff's page mover once per layout's pool structure
+    movers = 2 * len(LAYOUT_NAMES)  # the handoff's page mover and the copy-on-write copy once per layout
     samplers = len(ex._samplers)  # every (logits rows, sampler mode) these layouts' steps can need
     assert samplers == 4 * len({ex.shape(get_layout(n), b).rows for n in LAYOUT_NAMES for b in ex.buckets(get_layout(n))})
     assert ran == programs + movers + samplers and greedy_only == programs // 2 + movers

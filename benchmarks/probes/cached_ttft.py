@@ -44,16 +44,20 @@ def ids(rng, n, vocab):
 
 
 def timed_request(engine, prompt, max_tokens):
-    """(TTFT, token times) of one request served alone."""
+    """(TTFT, token times, cached tokens, host ms per phase of the steps until the first token) of
+    one request served alone."""
     t0 = time.perf_counter()
     rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    times, cached = [], 0
+    times, cached, phases = [], 0, []
     while engine.has_work():
-        for o in engine.step():
+        outs = engine.step()
+        if not times:
+            phases.append({k: round(v, 3) for k, v in engine.last_step_ms.items()})
+        for o in outs:
             if o.request_id == rid and o.delta_token_ids:
                 times.append(time.perf_counter() - t0)
                 cached = o.num_cached_tokens
-    return times, cached
+    return times, cached, phases
 
 
 def host_times(engine, c, rng, caching: bool):
@@ -87,12 +91,13 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     prompt = ids(rng, c.prompt_tokens, engine.model_config.vocab_size)
     engine.set_prefix_caching(True)
-    cold, _ = timed_request(engine, prompt, c.decode_tokens)
-    warm, cached = timed_request(engine, prompt, c.decode_tokens)
+    cold, _, _ = timed_request(engine, prompt, c.decode_tokens)
+    warm, cached, phases = timed_request(engine, prompt, c.decode_tokens)
     step = float(np.median(np.diff(warm)))
     ttft = {"cold_ttft_ms": cold[0] * 1e3, "cached_ttft_ms": warm[0] * 1e3, "cached_tokens": cached,
             "decode_step_ms": step * 1e3, "ttft_over_decode_step": warm[0] / step,
             "copied_pages": engine.stats()["prefix_cache"]["copied_pages"]}
+    log.info("host ms per phase of the cached request's steps up to its first token: %s", phases)
     hosts = [host_times(engine, c, rng, on) for on in (False, True)]
     print(table([ttft], list(ttft)))
     print(table([{"caching": h["caching"], "running": h["running"], "schedule_p50": h["schedule_ms"]["p50"],
@@ -100,7 +105,7 @@ def main(argv=None):
                   "step_p50": h["step_ms"]["p50"]} for h in hosts],
                 ["caching", "running", "schedule_p50", "schedule_p99", "dispatch_p50", "step_p50"]))
     write_results("cached_ttft", {"config": dataclasses.asdict(c), "engine": dataclasses.asdict(config),
-                                  "ttft": ttft, "host": hosts})
+                                  "ttft": ttft, "first_token_steps_host_ms": phases, "host": hosts})
 
 
 if __name__ == "__main__":

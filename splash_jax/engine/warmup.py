@@ -10,6 +10,7 @@ import jax
 
 from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES
 from splash_jax.engine.step_packer import pack_step
+from splash_jax.kv.page_copy import no_copies
 from splash_jax.mesh.layouts import LAYOUT_NAMES
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ def run_every_program_once(engine, full_sampler: bool = True) -> int:
             if switcher is not None:
                 switcher.run_mover_once()
                 count += 1
+            ex.copy_pages(no_copies(engine.allocator))  # copy-on-write's page copy (kv/page_copy.py)
+            count += 1
             moves = [None] + ([switcher.empty_moves()] if switcher is not None and ex.move_pages else [])
             for bucket in ex.buckets(engine.layout):
                 for expanded in (False, True) if ex.expands(engine.layout, bucket) else (False,):
