@@ -718,14 +718,14 @@ def test_a_page_several_requests_share_is_copied_once_per_device(engine, shared_
 
 def test_fully_cached_prompts_copy_their_last_page_and_compute_one_token(engine):
     """A prompt whose every page is cached (page-aligned) references all but the page of its last
-    token, copies that page on write and computes one token: outputs equal caching off in each
-    layout, for twins arriving together (the follower waits for the leader's last page) and
-    with live switches running while the copies are in use."""
+    token, copies that page on write and computes one token; a twin arriving with its leader
+    starts in the leader's step on its pages, computing its last token without writing it.
+    Outputs equal caching off in each layout and with live switches running meanwhile."""
     size = engine.config.page_size
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, 200, k * size)] for k in (3, 2, 1)]
-    prompts.append(prompts[0])  # a twin of the first, arriving with it
-    arrivals, max_tokens = [0, 0, 1, 0], [9, 12, 7, 9]
+    prompts.insert(1, prompts[0])  # a twin of the first, arriving with it
+    arrivals, max_tokens = [0, 0, 0, 1], [9, 9, 12, 7]
     _settle_in(engine, "tp")
     engine.set_prefix_caching(False)
     try:
@@ -736,12 +736,14 @@ def test_fully_cached_prompts_copy_their_last_page_and_compute_one_token(engine)
     with count_compiles() as compiles:
         for layout in LAYOUT_NAMES:
             _settle_in(engine, layout)
+            followed = engine.stats()["prefix_cache"]["followed"]
             first, _ = run(engine, None, None, prompts, arrivals, max_tokens)
             copied = engine.stats()["prefix_cache"]["copied_pages"]
+            assert engine.stats()["prefix_cache"]["followed"] - followed == 1, layout  # the twin, in its leader's step
             again, _ = run(engine, None, None, prompts, arrivals, max_tokens)
             assert {i: o.token_ids for i, o in first.items()} == reference, layout
             assert {i: o.token_ids for i, o in again.items()} == reference, layout
-            assert first[3].num_cached_tokens == len(prompts[3]) - 1, layout  # the twin, from its leader
+            assert first[1].num_cached_tokens == len(prompts[1]) - 1, layout  # the twin, on its leader's pages
             for i, o in again.items():
                 assert o.num_cached_tokens == len(prompts[i]) - 1, (layout, i, o.num_cached_tokens)
             assert engine.stats()["prefix_cache"]["copied_pages"] - copied == len(prompts) * devices[layout], layout

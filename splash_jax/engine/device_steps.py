@@ -217,6 +217,10 @@ class DeviceSteps:
                 good.append(c)
             except Exception as e:  # noqa: BLE001
                 self._fail(c.request, f"the request could not be run: {type(e).__name__}: {e}")
+        kept = {id(c.request) for c in good}
+        for c in [c for c in good if c.leader is not None and id(c.leader) not in kept]:
+            good.remove(c)  # it reads the latent its failed leader would have written: compute it again
+            self.scheduler.preempt(c.request)
         return good
 
     def _recover(self, error: Exception, chunks: list[ScheduledChunk]) -> None:

@@ -44,10 +44,11 @@ import itertools
 import logging
 import time
 
+from splash_jax.engine.admission import Admission, cap_to_rows
 from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.request import Request, Status
 from splash_jax.engine.speculative import SpeculativeStats, accepted, can_speculate, max_drafts
-from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
+from splash_jax.kv.allocator import PageAllocator
 from splash_jax.kv.page_table import PageTables
 from splash_jax.kv.placement import Placement
 from splash_jax.kv.prefix_cache import CacheStats, PrefixCache
@@ -64,6 +65,13 @@ class ScheduledChunk:
     samples: bool  # reaches the end of the sequence: a token is sampled
     lp_start: int = -1  # prompt logprobs: positions lp_start.. each get a logits row (-1: only the last)
     drafts: tuple[int, ...] = ()  # speculative drafts after its last known token (a logits row each, plus one)
+    # A follower's last prompt token, computed again for its logits: the leader (computing it in
+    # the same step, engine/admission.py) writes its latent, so this chunk writes none.
+    leader: Request | None = None
+
+    @property
+    def writes(self) -> bool:
+        return self.leader is None
 
     @property
     def end(self) -> int:
@@ -76,22 +84,6 @@ class ScheduledChunk:
         if self.drafts:
             return len(self.drafts) + 1
         return self.end - self.lp_start if self.lp_start >= 0 else 1
-
-
-def cached_start(hit_pages: int, num_tokens: int, page_size: int) -> tuple[int, int]:
-    """(first position to compute, pages to share as they are) for a request whose first
-    hit_pages pages are cached. Its last token is always computed (for its logits): when the
-    cached pages cover it, the page holding it is copied on write (a private copy the request
-    writes that token and its next ones to), so a fully cached prompt computes one token."""
-    computed = min(hit_pages * page_size, num_tokens - 1)
-    return computed, min(hit_pages, computed // page_size)
-
-
-def cap_to_rows(request: Request, start: int, n: int, rows_left: int) -> int:
-    """The longest chunk (<= n) whose logits rows fit in rows_left (>= 1)."""
-    if request.wants_prompt_logprobs:
-        return min(n, rows_left + max(start, request.prompt_lp_next) - start)
-    return n
 
 
 @dataclasses.dataclass
@@ -122,7 +114,7 @@ def advance_grammar(request: Request, token: int) -> str | None:
     return "stop" if g.is_stopped() else None
 
 
-class Scheduler:
+class Scheduler(Admission):
     def __init__(
         self,
         allocator: PageAllocator,
@@ -292,97 +284,6 @@ class Scheduler:
                 spare -= len(d)
         return out
 
-    def _admit(self, request: Request, budget: int, rows: int) -> int | None:
-        """Admit `request` with its cached prefix: the tokens of its first chunk, 0 if it waits for
-        a block another request is computing, None if it does not fit now (nothing changed).
-        Some compute their whole prompt (Request.computes_whole_prompt). A cached page that holds
-        its last token is copied on write (`cached_start`)."""
-        cache, size = self.cache, self.page_size
-        chain, hit = [], 0
-        if cache is not None and not request.computes_whole_prompt:
-            chain = cache.chain(request, request.num_tokens // size)
-            request.owner = self.choose_owner(chain, request)
-            hit = cache.hits(chain, self.placement, request.owner)
-            if cache.waits_for(chain, hit, request):
-                cache.stats.deferred += 1
-                return 0
-        else:
-            request.owner = self.least_loaded_device()
-        computed, shared = cached_start(hit, request.num_tokens, size)
-        remaining = request.num_tokens - computed
-        n = cap_to_rows(request, computed, min(remaining, budget), rows)
-        if not self.enable_chunked_prefill and n < remaining:
-            return None
-        request.slot = self._free_slots.pop()
-        request.device_pages = cache.take(request, chain, shared, self.placement) if shared else [[] for _ in range(self.n)]
-        for d, pages in enumerate(request.device_pages):
-            self.tables.append(request.slot, d, pages, self.placement, self.allocator)
-        sources = {}  # copy-on-write: device -> the cached page (held while the private one is allocated)
-        if shared < hit:
-            sources = {d: chain[shared].pages[d] for d in self.placement.devices_of_page(shared, request.owner, self.n)}
-            self.allocator.ref(list(sources.values()))
-        fits = self.allocate(request, computed + n)
-        if sources:
-            self.allocator.free(list(sources.values()))
-        if not fits:
-            request.num_computed = 0
-            self._release(request, cache_pages=False)
-            return None
-        if sources:
-            entry = self.placement.entry_of(shared, self.n)
-            self.page_copies += [(src, request.device_pages[d][entry]) for d, src in sources.items()]
-            request.cache_nodes.append(chain[shared])  # the private copy holds that node's tokens
-            cache.stats.copied_pages += len(sources)
-        request.num_computed = request.num_cacheable = computed
-        if cache is not None:
-            prompt = len(request.prompt_ids)
-            cache.stats.queries += prompt
-            cache.stats.hits += min(computed, prompt)
-            if request.admissions == 0:
-                request.num_cached_tokens = min(computed, prompt)
-            cache.mark_computing(request, chain, hit, min(request.num_known, prompt) // size)
-        request.admissions += 1
-        request.status = Status.RUNNING
-        request.order = next(self._order)
-        self.running.append(request)
-        return n
-
-    def take_page_copies(self) -> list[tuple[int, int]]:
-        """The (cached page, private page) copies admissions asked for since the last call: the
-        engine runs them before the step that computes those requests' tokens."""
-        copies, self.page_copies = self.page_copies, []
-        return copies
-
-    def cached_prefix(self, request: Request) -> int:
-        """Tokens of a waiting request's prompt admission would find cached now (the policy prices
-        only the rest); 0 without a cache, or for a request that computes its whole prompt."""
-        if self.cache is None or request.computes_whole_prompt:
-            return 0
-        chain = self.cache.chain(request, request.num_tokens // self.page_size)
-        if not chain:
-            return 0
-        hit = self.cache.hits(chain, self.placement, self.choose_owner(chain, request))
-        return cached_start(hit, request.num_tokens, self.page_size)[0]
-
-    def choose_owner(self, chain: list, request: Request | None = None) -> int:
-        """Owner of a request whose cached prefix is `chain`. Under an owner-bound placement: among
-        the devices whose pages in use after taking it (its pages less the prefix each already
-        holds) stay within `balance_pages` of the lightest, the one holding most of its prefix;
-        otherwise (and without a hit) the least loaded device. Counting what each device would
-        add, not its load now, keeps a shared system prompt's owner from looking busy by the
-        prefix alone (a second copy elsewhere costs the same pages again)."""
-        least = self.least_loaded_device()
-        if not chain or not self.placement.owner_bound or self.n == 1:
-            return least
-        hits = [self.cache.hits(chain, self.placement, d) for d in range(self.n)]
-        if max(hits) == hits[least]:
-            return least
-        need = pages_for_tokens(request.num_tokens, self.page_size) if request is not None else len(chain)
-        after = [self.allocator.pages_per_device - self.allocator.num_free(d) + max(0, need - hits[d])
-                 for d in range(self.n)]
-        room = min(after) + self.balance_pages
-        return max((d for d in range(self.n) if after[d] <= room), key=lambda d: (hits[d], -after[d], -d))
-
     def dispatched(self, chunks: list[ScheduledChunk]) -> None:
         """A step with these chunks was dispatched: their latents will be in the pool before any
         later step reads it, so the full pages of known tokens they completed can be cached."""
@@ -399,7 +300,9 @@ class Scheduler:
 
     def _take(self, request: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed
-        chunk = ScheduledChunk(request, start, n, start + n - len(drafts) == request.num_tokens, drafts=drafts)
+        chunk = ScheduledChunk(request, start, n, start + n - len(drafts) == request.num_tokens, drafts=drafts,
+                               leader=request.follows)
+        request.follows = None
         request.num_unverified = len(drafts)
         if request.wants_prompt_logprobs:
             chunk.lp_start = max(start, request.prompt_lp_next)
@@ -431,13 +334,6 @@ class Scheduler:
                 self.tables.append(request.slot, d, pages, self.placement, self.allocator)
         return True
 
-    def least_loaded_device(self) -> int:
-        """Owner for a new request: the device with the most free pages, then the fewest requests."""
-        counts = [0] * self.n
-        for r in self.running:
-            counts[r.owner] += 1
-        return max(range(self.n), key=lambda d: (self.allocator.num_free(d), -counts[d], -d))
-
     def preempt(self, request: Request) -> None:
         """Free a running request's pages and slot and requeue it first; it keeps its output and recomputes."""
         log.debug("preempting %s (%d tokens computed)", request.request_id, request.num_computed)
@@ -462,32 +358,11 @@ class Scheduler:
             self.allocator.free(pages)
         request.device_pages = []
         request.num_computed = request.num_cacheable = request.num_unverified = 0
+        request.follows = None
         if request.slot >= 0:
             self.tables.clear(request.slot)
             self._free_slots.append(request.slot)
             request.slot = -1
-
-    def admit_cached(self, request: Request, num_cached: int, reserve: int = 0) -> bool:
-        """Run `request` as if its first `num_cached` tokens were already in the cache (benchmarks:
-        the same work per decode step as after a real prefill, without its cost). False if it
-        does not fit (nothing changes then)."""
-        if not self._free_slots:
-            return False
-        if request in self.waiting:
-            self.waiting.remove(request)
-        request.device_pages = [[] for _ in range(self.n)]
-        request.owner = self.least_loaded_device()
-        request.slot = self._free_slots.pop()
-        request.cacheable = False  # its first num_cached tokens were never computed
-        if not self.allocate(request, num_cached + reserve):
-            self._release(request)
-            self.waiting.appendleft(request)
-            return False
-        request.num_computed = num_cached
-        request.status = Status.RUNNING
-        request.order = next(self._order)
-        self.running.append(request)
-        return True
 
     # --- layout switches ----------------------------------------------------------------------
     def set_placement(self, placement: Placement) -> None:

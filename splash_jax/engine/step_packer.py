@@ -291,10 +291,11 @@ def pack_step(
     token_request[dev_of, ls_of] = lrow[c_of]
     write_offset[dev_of, ls_of] = p_of % page_size
     m = min(shape.pages, tables.m)
+    writes = np.fromiter((c.writes for c in chunks), bool, num)  # a follower's last token: its leader writes it
     for seg in range(g):
         local = tables.local_of[dev_of, seg, s_of, j]
         held = local >= 0
-        write_page[dev_of, seg, ls_of] = np.where(held, local, np.iinfo(np.int32).max)
+        write_page[dev_of, seg, ls_of] = np.where(held & writes[c_of], local, np.iinfo(np.int32).max)
         kv_lens[dev_of, seg, ls_of] = tables.before[dev_of, seg, s_of, j] * page_size + np.where(held, p_of % page_size + 1, 0)
         if shape.owner_rows:
             page_table[owners, seg, lrow, :m] = tables.compact[owners, seg, slots, :m]

@@ -47,10 +47,12 @@ class CacheStats:
     hits: int = 0  # of those, tokens found cached
     deferred: int = 0  # admissions postponed to share a block another request was computing
     copied_pages: int = 0  # cached pages copied on write (the page holding a fully cached prompt's last token)
+    followed: int = 0  # admissions onto pages another running request computes in the same step
 
     def as_dict(self) -> dict:
         return {"queries": self.queries, "hits": self.hits, "hit_rate": self.hits / self.queries if self.queries else 0.0,
-                "deferred": self.deferred, "copied_pages": self.copied_pages}
+                "deferred": self.deferred, "copied_pages": self.copied_pages,
+                "followed": self.followed}
 
 
 class PrefixCache:
