@@ -78,9 +78,10 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def parse_engine_and_bench(doc: str, bench_cls, argv=None, group: str = "benchmark"):
+def parse_engine_and_bench(doc: str, bench_cls, argv=None, group: str = "benchmark", defaults: dict | None = None):
     """-> (bench config, EngineConfig) from one command line: every engine flag plus the fields of
-    `bench_cls` (a dataclass); also sets up logging as the benchmarks log."""
+    `bench_cls` (a dataclass), engine flags defaulting to `defaults` where given; also sets up
+    logging as the benchmarks log."""
     import argparse
     import dataclasses
 
@@ -90,7 +91,27 @@ def parse_engine_and_bench(doc: str, bench_cls, argv=None, group: str = "benchma
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_args(p)
     add_dataclass_args(p.add_argument_group(group), bench_cls)
+    p.set_defaults(**(defaults or {}))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     bench = bench_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(bench_cls)})
     return bench, EngineConfig.from_cli_args(args)
+
+
+def build_engine(config, shape: str = "", num_layers: int = 0):
+    """The benchmark's engine: `config` as given, or a --shape (v2-lite, v3) model of dummy weights
+    with its first `num_layers` layers (0: all); logs how long it took to be ready."""
+    import time
+
+    from benchmarks.shapes import shape_folder
+    from splash_jax.engine import Engine
+
+    if shape:
+        config.model = str(shape_folder(shape, **({"num_hidden_layers": num_layers} if num_layers else {})))
+        config.load_format = "dummy"
+    t0 = time.perf_counter()
+    engine = Engine(config)
+    logging.getLogger("benchmarks").info(
+        "engine ready in %.1fs (%d programs, %s, %d tokens of KV, max_model_len %d)", time.perf_counter() - t0,
+        engine.executor.num_compiled, engine.layout.name, engine.kv_capacity_tokens(), engine.max_model_len)
+    return engine

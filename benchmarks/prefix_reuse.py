@@ -43,9 +43,9 @@ import time
 import numpy as np
 
 from benchmarks import workloads as W
+from benchmarks.common import build_engine as common_build_engine
 from benchmarks.common import percentiles, table, write_results
 from benchmarks.dynamic import CACHING, serve, summarize
-from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, EngineConfig
 from splash_jax.engine.config import add_dataclass_args
 
@@ -87,14 +87,7 @@ def arrivals_of(workload: str, c: PrefixBenchConfig) -> list[W.Arrival]:
 
 
 def build_engine(config: EngineConfig, c: PrefixBenchConfig) -> Engine:
-    if c.shape:
-        config.model = str(shape_folder(c.shape, **({"num_hidden_layers": c.num_layers} if c.num_layers else {})))
-        config.load_format = "dummy"
-    t0 = time.perf_counter()
-    engine = Engine(config)
-    log.info("engine ready in %.1fs (%d programs, %s, %d tokens of KV)", time.perf_counter() - t0,
-             engine.executor.num_compiled, engine.layout.name, engine.kv_capacity_tokens())
-    return engine
+    return common_build_engine(config, c.shape, c.num_layers)
 
 
 def run(engine: Engine, workload: str, arrivals: list[W.Arrival], mode: str, c: PrefixBenchConfig) -> dict:
@@ -228,7 +221,7 @@ def main(argv=None):
     same = {wl: same_outputs(runs) for wl, runs in results.items()}
     log.info("outputs equal to the off run's: %s", same)
     path = write_results("prefix_reuse", {
-        "args": vars(args), "bench": dataclasses.asdict(c), "engine": dataclasses.asdict(config), "rows": rows,
+        "bench": dataclasses.asdict(c), "engine": dataclasses.asdict(config), "rows": rows,
         "same_outputs_as_off": same, "runs": {wl: {m: {k: v for k, v in r.items() if k != "outputs"}
                                                      | {"output_digests": digests(r["outputs"])}
                                                     for m, r in runs.items()} for wl, runs in results.items()},

@@ -38,7 +38,6 @@ tpot_p99_over_p50, TTFT p50 per prompt-length quartile, the step intervals by ki
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import time
@@ -46,11 +45,10 @@ import time
 import numpy as np
 
 from benchmarks import workloads as W
-from benchmarks.common import percentiles, table, write_results
+from benchmarks.common import build_engine as common_build_engine
+from benchmarks.common import parse_engine_and_bench, percentiles, table, write_results
 from benchmarks.dynamic import serve, summarize
-from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, EngineConfig
-from splash_jax.engine.config import add_dataclass_args
 from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.step_timeline import StepTimeline
 
@@ -89,14 +87,7 @@ def parse_policies(spec: str, default_wait: float, time_scale: float) -> list[tu
 
 
 def build_engine(config: EngineConfig, c: TraceBenchConfig) -> Engine:
-    if c.shape:
-        config.model = str(shape_folder(c.shape, **({"num_hidden_layers": c.num_layers} if c.num_layers else {})))
-        config.load_format = "dummy"
-    t0 = time.perf_counter()
-    engine = Engine(config)
-    log.info("engine ready in %.1fs (%d programs, %s, %d tokens of KV, max_model_len %d)", time.perf_counter() - t0,
-             engine.executor.num_compiled, engine.layout.name, engine.kv_capacity_tokens(), engine.max_model_len)
-    return engine
+    return common_build_engine(config, c.shape, c.num_layers)
 
 
 def use(engine: Engine, order: PrefillOrder) -> None:
@@ -181,21 +172,11 @@ def trace_stats(arrivals: list[W.Arrival], ratio_: float) -> dict:
             "block_reuse": W.block_reuse(arrivals)}
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    EngineConfig.add_cli_args(p)
-    add_dataclass_args(p.add_argument_group("benchmark"), TraceBenchConfig)
-    # CPU sizes (the bundled model; --max-pages 512 applies to it only: with --shape memory sizes the pool)
-    p.set_defaults(page_size=16, max_num_seqs=32, max_num_batched_tokens=256, min_token_bucket=16)
-    return p
-
-
 def main(argv=None):
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # CPU sizes (the bundled model; --max-pages 512 applies to it only: with --shape memory sizes the pool)
+    c, config = parse_engine_and_bench(__doc__, TraceBenchConfig, argv, defaults=dict(
+        page_size=16, max_num_seqs=32, max_num_batched_tokens=256, min_token_bucket=16))
     logging.getLogger("jax").setLevel(logging.WARNING)
-    config = EngineConfig.from_cli_args(args)
-    c = TraceBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TraceBenchConfig)})
     if not c.shape and config.max_pages is None:
         config.max_pages = 512
     policies = parse_policies(c.policies, config.max_prefill_wait_s, c.time_scale)
@@ -221,7 +202,7 @@ def main(argv=None):
           f"({unloaded['longest']['prompt_len']} tokens)")
     print(table(rows, COLUMNS))
     return write_results("ttft_trace", {
-        "args": vars(args), "bench": dataclasses.asdict(c), "engine": dataclasses.asdict(config), "trace": stats,
+        "bench": dataclasses.asdict(c), "engine": dataclasses.asdict(config), "trace": stats,
         "unloaded": unloaded, "rows": rows,
         "runs": {k: {f: v for f, v in r.items() if f != "outputs"} for k, r in results.items()},
     })

@@ -379,3 +379,32 @@ def run_steps(sched, k):
         sched.dispatched(out.chunks)
         s = [c for c in out.chunks if c.samples]
         sched.update(out.chunks, list(range(len(s))), np.full(len(s), 5))
+
+
+def test_a_follower_whose_leader_cannot_be_packed_is_preempted_not_run():
+    """Packing isolates the requests that fail (engine/device_steps.py): a follower reads the latent
+    its leader writes in the same step, so without its leader it is requeued, not run alone."""
+    from types import SimpleNamespace
+
+    from splash_jax.engine.device_steps import DeviceSteps
+
+    a = PageAllocator(1, 40, S)
+    sched = Scheduler(a, 8, 4 * S + 8, REPLICATED, 64, 16, enable_prefix_caching=True)
+    prompt = list(range(2, 2 + 4 * S))
+    for i in range(2):
+        sched.add(req(f"g{i}", prompt, 3))
+    chunks = sched.schedule().chunks
+    leader, follower = (c.request for c in chunks)
+    assert chunks[1].leader is leader
+    failed = []
+
+    def pack(batch):
+        if batch[0].request is leader:
+            raise ValueError("cannot pack")
+
+    steps = SimpleNamespace(scheduler=sched, _pack=pack, _fail=lambda r, why: (failed.append(r), sched.finish(r, "error")))
+    assert DeviceSteps._isolate(steps, chunks, ValueError("step")) == []
+    assert failed == [leader] and follower in sched.waiting and follower.slot < 0
+    run_until_idle(sched)  # it computes its prompt itself and finishes
+    assert follower.finish_reason == "length" and len(follower.output_ids) == 3
+    assert a.num_referenced() == 0

@@ -220,6 +220,7 @@ class DeviceSteps:
         kept = {id(c.request) for c in good}
         for c in [c for c in good if c.leader is not None and id(c.leader) not in kept]:
             good.remove(c)  # it reads the latent its failed leader would have written: compute it again
+            c.request.num_pending -= c.samples  # the token this chunk would have sampled
             self.scheduler.preempt(c.request)
         return good
 
