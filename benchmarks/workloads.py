@@ -277,7 +277,7 @@ class PrefixIndex:
     def shared(self, ids: list[int]) -> int:
         """Tokens of the longest page-aligned prefix of `ids` seen before, below its last token
         (the last token is always computed: a fully seen prompt computes just that one, as the
-        engine's cache does with copy-on-write, Scheduler's cached_start)."""
+        engine's cache does with copy-on-write: engine/admission.py, cached_start)."""
         node, p = 0, self.page_size
         for j in range(len(ids) // p):
             node = self._nodes.get((node, tuple(ids[j * p : (j + 1) * p])))

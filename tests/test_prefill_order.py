@@ -115,6 +115,7 @@ def test_the_prefill_cap_holds_while_requests_decode(policy):
     assert any(prefill > cap for prefill, decodes in steps if not decodes)  # no decodes: the whole budget
 
 
+@pytest.mark.slow  # the same outputs at the scheduler: test_srpf_keeps_every_page_consistent_under_random_interleavings
 def test_engine_srpf_with_a_cap_gives_fcfs_outputs_and_compiles_nothing():
     from splash_jax.compile_guard import count_compiles
     from splash_jax.engine import Engine, EngineConfig

@@ -32,9 +32,10 @@ def cached_start(hit_pages: int, num_tokens: int, page_size: int) -> tuple[int, 
 
 
 def in_flight_pages(chain: list, hit: int, request: Request, page_size: int) -> int:
-    """How many leading pages of `request`'s chain it can share now with the running request
-    computing chain[hit] (0: none, it waits): the cached ones and those that request has
-    scheduled, all of them being computed by it."""
+    """How many leading pages of `request`'s chain it can take now from the running request (the
+    leader) computing chain[hit] (0: none, it waits): the leader's own pages 0..m-1, through the
+    cached ones below hit and the blocks from hit on that the leader computes and has scheduled
+    (its tokens there are the chain's, so its pages hold the same latents)."""
     leader = chain[hit].computing
     if leader is None or leader.slot < 0 or leader.status != Status.RUNNING or request.computes_whole_prompt:
         return 0

@@ -27,12 +27,13 @@ the token-level stops (EOS, stop_token_ids, max_tokens, model length) and finish
 (freeing their pages and slots). Tokens of requests that finished meanwhile are dropped, so a
 token sampled past a stop is never shown. Stop strings need text: the engine calls `finish()`.
 
-With a prefix cache (kv/prefix_cache.py), admission first looks up the longest cached prefix of
-the request's known tokens (always leaving its last token to compute) and references those pages
-instead of computing them; under owner layouts the owner is the device holding the longest
-prefix unless its load exceeds the least loaded device's by `balance_pages`. A request whose
-next block another running request is computing waits (later requests may pass it) and shares
-that block once it is cached. After each dispatched step (`dispatched`), the full pages its
+With a prefix cache (kv/prefix_cache.py), admission (engine/admission.py) references the longest
+cached prefix of the request's known tokens instead of computing it (its last token is always
+computed; a cached page holding it is copied on write); under owner layouts the owner is the
+device holding the longest prefix unless its load exceeds the least loaded device's by
+`balance_pages`. A request whose next block another running request is computing starts on that
+request's pages once it has scheduled them (in the same step), or waits (later requests may pass
+it). After each dispatched step (`dispatched`), the full pages its
 chunks completed are cached; a request that stops running leaves its pages cached.
 """
 
