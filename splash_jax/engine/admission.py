@@ -31,14 +31,12 @@ def cached_start(hit_pages: int, num_tokens: int, page_size: int) -> tuple[int, 
     return computed, min(hit_pages, computed // page_size)
 
 
-def in_flight_pages(chain: list, hit: int, request: Request, page_size: int) -> int:
+def in_flight_pages(chain: list, hit: int, page_size: int) -> int:
     """How many leading pages of `request`'s chain it can take now from the running request (the
     leader) computing chain[hit] (0: none, it waits): the leader's own pages 0..m-1, through the
     cached ones below hit and the blocks from hit on that the leader computes and has scheduled
     (its tokens there are the chain's, so its pages hold the same latents)."""
-    leader = chain[hit].computing
-    if leader is None or leader.slot < 0 or leader.status != Status.RUNNING or request.computes_whole_prompt:
-        return 0
+    leader = chain[hit].computing  # running (PrefixCache.waits_for said so)
     m = hit
     while m < len(chain) and chain[m].computing is leader and leader.num_computed >= (m + 1) * page_size:
         m += 1
@@ -67,7 +65,7 @@ class Admission:
             request.owner = self.choose_owner(chain, request)
             hit = cache.hits(chain, self.placement, request.owner)
             if cache.waits_for(chain, hit, request):
-                shared = 0 if self.lookahead else in_flight_pages(chain, hit, request, size)
+                shared = 0 if self.lookahead else in_flight_pages(chain, hit, size)
                 if not shared:
                     cache.stats.deferred += 1
                     return 0

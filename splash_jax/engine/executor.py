@@ -56,8 +56,8 @@ from splash_jax.engine.penalties import PenaltyState, update_history
 from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, sample
 from splash_jax.engine.step_packer import StepShape, split_step_buffer, step_buffer, unpack_step
 from splash_jax.kv.cache import KVCache
-from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
 from splash_jax.kv.page_copy import PageCopier
+from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
 from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
 
 log = logging.getLogger(__name__)
@@ -158,10 +158,9 @@ class StepExecutor(SamplerPrograms):
 
     def copy_pages(self, buf) -> None:
         """Copy pages within each device (copy-on-write; a kv/page_copy.pack_copies buffer)."""
-        copier = self._page_copiers.get(self.kv.num_segments)
-        if copier is None:  # only without warm-up
-            copier = self._page_copiers[self.kv.num_segments] = PageCopier(self.mesh, self.kv_abstract(self.layout))
-        self.kv = copier(self.kv, buf)
+        if self.kv.num_segments not in self._page_copiers:  # only without warm-up
+            self.compile_page_copies([self.layout])
+        self.kv = self._page_copiers[self.kv.num_segments](self.kv, buf)
 
     def compile_page_copies(self, layouts: list[Layout]) -> int:
         """The page copy of every pool structure these layouts use (one or two segments)."""

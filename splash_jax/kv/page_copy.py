@@ -29,9 +29,9 @@ def pack_copies(pairs, allocator, k: int = COPIES_PER_CALL) -> list[np.ndarray]:
     """(source, destination) global page ids on the same device -> per-call int32 buffers
     [N, 4*K]: for each device K slots of (source id, segment, destination id, segment), unused
     slots dropped (destination past both segments)."""
-    pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
-    if len(pairs) == 0:
+    if not len(pairs):  # nearly every step: nothing to copy, no array work
         return []
+    pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
     sd, ss, sl = allocator.locate(pairs[:, 0])
     dd, ds, dl = allocator.locate(pairs[:, 1])
     if (sd != dd).any():
