@@ -85,7 +85,11 @@ def _handoffs_equal_their_definitions(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(EngineConfig(layout="tp", enable_switching=True, switch_chunk_pages=1, **KW))
+    # started with speculation (its step programs take the draft variants of overlapped speculation), then off
+    e = Engine(EngineConfig(layout="tp", enable_switching=True, switch_chunk_pages=1, speculative_method="ngram",
+                            speculative_tokens=3, **KW))
+    e.set_speculative("off")
+    return e
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +136,14 @@ class _OracleDrafter:
         self.reference, self.rng = reference, np.random.default_rng(seed)
 
     def propose(self, request, k):
-        want = self.reference[tuple(request.prompt_ids)][len(request.output_ids):][:k]
+        return self._drafts(request, len(request.output_ids), k)
+
+    def propose_after(self, request, k, prefix):
+        """Overlapped speculation: drafts after the known tokens, `prefix` and one token not known yet."""
+        return self._drafts(request, len(request.output_ids) + len(prefix) + 1, k)
+
+    def _drafts(self, request, at, k):
+        want = self.reference[tuple(request.prompt_ids)][at:][:k]
         wrong = self.rng.random(len(want)) < 0.25
         return [(t + 1) % 100 if w else t for t, w in zip(want, wrong)]
 
@@ -140,7 +151,8 @@ class _OracleDrafter:
 def test_speculative_decoding_keeps_outputs_in_every_layout_and_across_switches(engine, fixed_outputs):
     """Drafts verified in every layout, and while switches move the pages that verify steps write
     (a rejected draft's slot is written again, so only final pages are copied in the background):
-    greedy outputs equal the fixed layout's without speculation; nothing compiles."""
+    greedy outputs equal the fixed layout's without speculation; nothing compiles. Steps overlap:
+    verify chunks go ahead of the one on the device (moved by the drafts it keeps)."""
     _settle_in(engine, "tp")
     reference = {tuple(engine.tokenizer.encode(p, add_bos=True)): fixed_outputs[i].token_ids for i, p in enumerate(PROMPTS)}
     engine.set_speculative("ngram", 3)
@@ -158,8 +170,10 @@ def test_speculative_decoding_keeps_outputs_in_every_layout_and_across_switches(
         assert any(h.steps_overlapped > 1 and h.pages_copied > 0 for h in handles)
         for i in range(len(PROMPTS)):
             assert done[i].token_ids == fixed_outputs[i].token_ids, (i, PROMPTS[i])
-        hist = engine.stats()["speculative"]["accepted_histogram"]
+        spec = engine.stats()["speculative"]
+        hist = spec["accepted_histogram"]
         assert hist[0] > 0 and hist[3] > 0 and sum(hist[1:3]) > 0, hist  # none, some and all accepted
+        assert engine.overlapped and spec["ahead_chunks"] > 0, spec
     finally:
         engine.set_speculative("off")
 

@@ -146,6 +146,12 @@ class EngineConfig:
     gc_freeze: str = "auto"
 
     @property
+    def speculative_variants(self) -> int:
+        """Draft variants an ahead verify chunk carries (1 + K; engine/speculative.py): fixed at
+        start-up with the step programs' shapes, so set_speculative overlaps K up to this less one."""
+        return 1 + self.speculative_tokens if self.speculative_k and self.speculative_method != "mtp" else 0
+
+    @property
     def speculative_k(self) -> int:
         """Drafts per request per step (0 with speculation off)."""
         return 0 if self.speculative_method == "off" else self.speculative_tokens
@@ -234,9 +240,9 @@ class EngineConfig:
             raise ValueError(f"--unroll-max-tokens must be >= 0, got {self.unroll_max_tokens}")
         if self.layout_policy not in ("off", "auto"):
             raise ValueError(f"--layout-policy must be off or auto, got {self.layout_policy!r}")
-        from splash_jax.engine.speculative import METHODS
+        from splash_jax.engine.speculative import LIBRARY_METHODS, METHODS
 
-        if self.speculative_method not in METHODS:
+        if self.speculative_method not in LIBRARY_METHODS:
             raise ValueError(f"--speculative-method must be one of {', '.join(METHODS)}, got {self.speculative_method!r}")
         if self.speculative_method != "off" and not 1 <= self.speculative_tokens <= 16:
             raise ValueError(f"--speculative-tokens must be in [1, 16], got {self.speculative_tokens}")

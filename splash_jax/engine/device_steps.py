@@ -244,6 +244,7 @@ class DeviceSteps:
             self.switcher.active[0].cancel()  # its plans name pages of the lost pool: start again if wanted
         for request in self.scheduler.waiting:
             request.num_pending, request.pending_row = 0, -1  # tokens of the lost steps are sampled again
+            request.unapplied.clear()
             request.prompt_lp_next = len(request.prompt_lps)  # and their prompt logprobs computed again
         self._slot_request = [None] * len(self._slot_request)
         if self.scheduler.cache is not None:

@@ -55,8 +55,8 @@ class Engine(EngineCore):
     def flush(self) -> list[RequestOutput]:  # type: ignore[override]
         return self._deltas(super().flush())
 
-    def set_speculative(self, method: str, num_tokens: int | None = None) -> list[RequestOutput]:  # type: ignore[override]
-        return self._deltas(super().set_speculative(method, num_tokens))
+    def set_speculative(self, method: str, num_tokens: int | None = None, drafter=None) -> list[RequestOutput]:  # type: ignore[override]
+        return self._deltas(super().set_speculative(method, num_tokens, drafter))
 
     def set_overlap(self, enabled: bool) -> list[RequestOutput]:  # type: ignore[override]
         return self._deltas(super().set_overlap(enabled))

@@ -100,6 +100,9 @@ class EngineCore(DeviceSteps):
                      "(half the expert memory)", dtype)
         # The MTP layer is loaded (and its latents pooled) only for --speculative-method mtp.
         mtp = config.speculative_method == "mtp"
+        if config.speculative_method == "custom":
+            raise ValueError('speculative method "custom" takes a drafter object: start with another method '
+                             'and call set_speculative("custom", k, drafter)')
         if mtp:
             _check_mtp(model, path)
         options = RuntimeOptions(
@@ -155,8 +158,8 @@ class EngineCore(DeviceSteps):
         self.pages_per_request = executor_args["pages_per_request"] = pages_for_tokens(self.max_model_len, config.page_size)
         self.allocator = PageAllocator(self.n, per_device, config.page_size, extra)
         if k:
-            log.info("speculative decoding: %s, %d drafts per request per step (steps run without overlap)",
-                     config.speculative_method, k)
+            log.info("speculative decoding: %s, %d drafts per request per step (steps %s)", config.speculative_method, k,
+                     "overlap" if config.speculative_variants else "run without overlap: MTP drafts need every step's tokens")
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.layout.kv_placement,
             self.max_model_len, self.pages_per_request, self.eos_ids, config.enable_chunked_prefill,
@@ -165,6 +168,7 @@ class EngineCore(DeviceSteps):
             max_logits_rows=self.max_logits_rows, prefill_order=PrefillOrder.of(config),
         )
         self.mtp_drafter = MtpDrafter(k) if mtp else None  # drafts the device computed, by request
+        self._custom_drafter = None  # set_speculative("custom", k, drafter)
         self.scheduler.set_speculation(self._drafter(), k)
         self.slot_sampling = SlotSampling(config.max_num_seqs, widths, sorted(self.eos_ids))
         self._slot_request: list[Request | None] = [None] * config.max_num_seqs
@@ -176,6 +180,7 @@ class EngineCore(DeviceSteps):
             self.layout.name, self.n, per_device, extra, config.page_size, self.kv_capacity_tokens(), kv.nbytes() / 2**30,
         )
         self.executor = StepExecutor(self.model, kv, self.mesh, self.layout, **executor_args)
+        self.scheduler.ahead_drafts = self.executor.spec_variants - 1
         self.mtp = None  # MTP draft programs (engine/mtp_draft.py): one per step program, run right after it
         if mtp:
             from splash_jax.engine.mtp_draft import MtpDraftRunner
@@ -300,6 +305,8 @@ class EngineCore(DeviceSteps):
         if self.switcher is not None:
             self.switcher.before_step()  # drop finished requests' reservations; cancel
         t1 = time.perf_counter()
+        if self.config.speculative_k:
+            self._set_drafting()
         chunks = self.scheduler.schedule().chunks
         t2 = time.perf_counter()
         dispatched = self._dispatch(chunks) if chunks else None
@@ -337,8 +344,25 @@ class EngineCore(DeviceSteps):
 
     @property
     def overlapped(self) -> bool:
-        """Whether steps overlap: asked for, and no speculation (drafts need every token on the host)."""
-        return self.config.overlap_scheduling and not self.config.speculative_k
+        """Whether steps overlap: asked for, and speculation off or overlappable (speculates_ahead)."""
+        return self.config.overlap_scheduling and (not self.config.speculative_k or self.speculates_ahead)
+
+    @property
+    def speculates_ahead(self) -> bool:
+        """Whether speculative steps overlap: a drafter that proposes behind a token still on the
+        device (propose_after: n-gram, custom; MTP drafts need the step's hidden states) and step
+        programs with a variant per count of drafts a step may keep (StepShape.variants)."""
+        c = self.config
+        return (c.speculative_k > 0 and c.speculative_k < self.executor.spec_variants
+                and hasattr(self.scheduler.drafter, "propose_after"))
+
+    def _set_drafting(self) -> None:
+        """Overlapped speculation pauses while a layout switch runs: its plans copy the pages of
+        verified tokens, which an ahead chunk's host state does not name yet."""
+        ahead = self.overlapped and self.speculates_ahead
+        switching = self.switcher is not None and self.switcher.active is not None
+        self.scheduler.speculate_ahead = ahead and not switching
+        self.scheduler.drafting_paused = ahead and switching
 
     def _consult_policy(self) -> None:
         """Let the layout policy start a switch (none in progress, its interval or an arrival due)."""
@@ -364,19 +388,26 @@ class EngineCore(DeviceSteps):
             return None
         if c.speculative_method == "mtp":
             return self.mtp_drafter
+        if c.speculative_method == "custom":
+            return self._custom_drafter
         return NgramDrafter(c.speculative_ngram_min, c.speculative_ngram_max)
 
     @property
     def _mtp_drafting(self) -> bool:
         return self.mtp is not None and self.config.speculative_method == "mtp"
 
-    def set_speculative(self, method: str, num_tokens: int | None = None) -> list[CoreOutput]:
+    def set_speculative(self, method: str, num_tokens: int | None = None, drafter=None) -> list[CoreOutput]:
         """Turn speculative decoding on ("ngram") or off ("off"), or change K, between steps
         (returns the flushed outputs; the counters start again). Drafts use the logits rows the
         engine was built with: max_num_seqs x (1 + K) when it started with speculation on, else
-        max_num_seqs, so a batch that fills the rows verifies fewer drafts. Nothing compiles."""
+        max_num_seqs, so a batch that fills the rows verifies fewer drafts. Nothing compiles.
+        drafter: a drafter object of the library's (speculative.NgramDrafter's methods), used with
+        method "custom" (benchmarks: set_acceptance.SetAcceptanceDrafter)."""
+        if (method == "custom") != (drafter is not None):
+            raise ValueError('a drafter object goes with method "custom" (and "custom" needs one)')
         outputs = self._flush()
-        previous = (self.config.speculative_method, self.config.speculative_tokens)
+        previous = (self.config.speculative_method, self.config.speculative_tokens, self._custom_drafter)
+        self._custom_drafter = drafter
         self.config.speculative_method = method
         if num_tokens is not None:
             self.config.speculative_tokens = num_tokens
@@ -389,7 +420,7 @@ class EngineCore(DeviceSteps):
                 raise ValueError(f"this engine's MTP draft programs chain {self.mtp.k} drafts; "
                                  f"--speculative-tokens {self.config.speculative_tokens} needs a restart")
         except ValueError:
-            self.config.speculative_method, self.config.speculative_tokens = previous
+            self.config.speculative_method, self.config.speculative_tokens, self._custom_drafter = previous
             raise
         if self.mtp_drafter is not None:
             self.mtp_drafter.forget()

@@ -50,7 +50,7 @@ from splash_jax.engine.program_memory import ProgramMemory, slow_compile_watch
 from splash_jax.engine.sampler_programs import SamplerPrograms
 from splash_jax.engine.step_programs import (  # noqa: F401  (re-exported: the engine, AOT, tests)
     Bucket, StepLogits, StepResult, auto_compile_threads, bucket_ladder, layout_step, logits_key, param_path, param_specs, program_name,
-    sampler_name, step_executor_args,
+    sampler_name, step_executor_args, token_vector,
 )
 from splash_jax.engine.penalties import PenaltyState, update_history
 from splash_jax.engine.sampler import FULL_MODE, SAMPLER_MODES, SamplerMode, SamplerWidths, sample
@@ -78,6 +78,7 @@ class StepExecutor(SamplerPrograms):
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
         expanded_min_tokens: int = 0, graph_scheduling: str = "concurrent", unroll_max_tokens: int = 0,
         step_input_memory: str = "device", fused_max_tokens: int = 0, expanded_spans: int = expanded.DEFAULT_SPANS,
+        spec_variants: int = 0,
     ):
         self.graphdef, state = nnx.split(model)
         leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -91,8 +92,10 @@ class StepExecutor(SamplerPrograms):
         self.pages_per_request = pages_per_request
         self.impl = impl
         self.widths = widths
-        self.max_rows = self.n * ladder[1]  # rows of the padded sampled-token vector, every layout
+        self.max_rows = self.n * ladder[1]  # rows of the padded sampled-token vector (token_vector), every layout
         self.extra_pages_total = extra_pages_total  # size of the extra segment when it exists
+        # Draft variants per ahead verify chunk (StepShape.variants; 0: steps take none)
+        self.spec_variants = spec_variants if spec_variants and spec_variants <= kv.latent.shape[2] else 0
         self.move_pages = move_pages  # pages per device pair in a `moving` program (0: none)
         # Chunks worth expanding by this size (attention/expanded.worth_expanding) run in the
         # expanded form; buckets that can hold one get an `expanded` variant in layouts that can
@@ -117,10 +120,10 @@ class StepExecutor(SamplerPrograms):
             self.penalties = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
                 jax.eval_shape(lambda: PenaltyState.zeros(num_slots, vocab)))
-            self.prev_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
+            self.prev_tokens = jax.ShapeDtypeStruct((2 * self.max_rows,), jnp.int32, sharding=self.replicated)
         else:
             self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
-            self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
+            self.prev_tokens = jax.device_put(np.zeros(2 * self.max_rows, np.int32), self.replicated)
         self._compiled: dict[tuple[str, Bucket, bool, bool, bool, SamplerMode | None], object] = {}
         self._samplers: dict[tuple[int, SamplerMode], object] = {}  # (logits rows, mode) -> compiled
         self._open_masks: dict[int, jax.Array] = {}  # logits rows -> all-ones token mask on the device
@@ -204,7 +207,7 @@ class StepExecutor(SamplerPrograms):
         layout = self.program_layout(layout)
         return StepShape(
             bucket.tokens, bucket.requests, self.n, self.kv_abstract(layout).num_segments, self.pages_per_request,
-            layout.owner_rows, self.widths, expanded, self.expanded_spans,
+            layout.owner_rows, self.widths, expanded, self.expanded_spans, self.spec_variants, self.kv.latent.shape[2],
         )
 
     def expands(self, layout: Layout, bucket: Bucket) -> bool:
@@ -283,7 +286,7 @@ class StepExecutor(SamplerPrograms):
                 out = sample(logits, sampling, penalties, full=True, mode=mode, mask=mask)
             else:
                 out = sample(logits, sampling, None, full=False)
-            tokens = jnp.zeros(max_rows, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
+            tokens = token_vector(out.tokens, sampling.draft, max_rows)
             return (StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties) + extra
 
         param_specs_ = tuple(layout.param_spec(p) for p in self.paths)
@@ -335,7 +338,7 @@ class StepExecutor(SamplerPrograms):
     def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
               mode: SamplerMode | None = None):
         fn, shape = self._program(layout, bucket, moving, full, expanded, mode)
-        prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
+        prev = jax.ShapeDtypeStruct((2 * self.max_rows,), jnp.int32, sharding=self.replicated)
         pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
         args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev,
                 self.step_input_abstract(shape, full and mode is None)]
@@ -530,7 +533,7 @@ class StepExecutor(SamplerPrograms):
     def reset_sampling_state(self) -> None:
         """Zero the penalty history and the previous step's tokens (the pool is left as it is)."""
         self.penalties = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self.replicated), self.penalties)
-        self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
+        self.prev_tokens = jax.device_put(np.zeros(2 * self.max_rows, np.int32), self.replicated)
 
     def reset_device_state(self) -> None:
         """After a failed step the donated pool may be gone: start from an empty pool (callers recompute)."""
@@ -538,4 +541,4 @@ class StepExecutor(SamplerPrograms):
             lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)(), self.kv_abstract(self.layout)
         )
         self.penalties = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self.replicated), self.penalties)
-        self.prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
+        self.prev_tokens = jax.device_put(np.zeros(2 * self.max_rows, np.int32), self.replicated)

@@ -165,6 +165,9 @@ class Request:
     num_pending: int = 0  # sampled tokens still on the device (overlapped scheduling: 0 or 1)
     num_unverified: int = 0  # speculative drafts in num_computed that their verify step has not yet accepted
     pending_row: int = -1  # their row in the last dispatched step's sampled tokens
+    # sampling chunks scheduled whose tokens the host has not applied yet, oldest first (overlapped
+    # speculation moves the next one once the verify chunk before it is applied: scheduler.py)
+    unapplied: list = dataclasses.field(default_factory=list)
     slot: int = -1  # its row in the persistent page tables, sampling and penalty state while running
     device_pages: list[list[int]] = dataclasses.field(default_factory=list)  # per device, global page ids
     owner: int = 0  # device holding its pages under owner layouts (dp, dop)
@@ -224,6 +227,11 @@ class Request:
         """Tokens whose latents are final: computed, less drafts awaiting verification (a rejected
         draft's slot is written again, so a page holding one is not full yet)."""
         return self.num_computed - self.num_unverified
+
+    @property
+    def awaits_verify(self) -> bool:
+        """A verify chunk of it is on the device: how many drafts it keeps is not known yet."""
+        return any(c.drafts for c in self.unapplied)
 
     @property
     def num_generated(self) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 from splash_jax.engine.penalties import PenaltyState
 from splash_jax.engine.program_memory import slow_compile_watch
 from splash_jax.engine.sampler import SAMPLER_MODES, SamplerMode, SamplingInputs, sample
-from splash_jax.engine.step_programs import StepLogits, StepResult, sampler_name
+from splash_jax.engine.step_programs import StepLogits, StepResult, sampler_name, token_vector
 from splash_jax.executable_cache import compile_lowered
 from splash_jax.mesh.layouts import Layout
 from splash_jax.structured.masks import mask_words
@@ -30,7 +30,7 @@ class SamplerPrograms:
 
         def fn(step: StepLogits, penalties: PenaltyState, mask: jax.Array) -> StepResult:
             out = sample(step.logits, step.sampling, penalties, full=True, mode=mode, mask=mask)
-            tokens = jnp.zeros(max_rows, jnp.int32).at[:rows].set(out.tokens)
+            tokens = token_vector(out.tokens, step.sampling.draft, max_rows)
             return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs)
 
         return jax.jit(fn, out_shardings=self.replicated)

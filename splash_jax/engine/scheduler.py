@@ -48,7 +48,7 @@ import time
 from splash_jax.engine.admission import Admission, cap_to_rows
 from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.request import Request, Status
-from splash_jax.engine.speculative import SpeculativeStats, accepted, can_speculate, max_drafts
+from splash_jax.engine.speculative import SpeculativeStats, accepted, can_speculate, max_drafts, propose_ahead
 from splash_jax.kv.allocator import PageAllocator
 from splash_jax.kv.page_table import PageTables
 from splash_jax.kv.placement import Placement
@@ -69,6 +69,13 @@ class ScheduledChunk:
     # A follower's last prompt token, computed again for its logits: the leader (computing it in
     # the same step, engine/admission.py) writes its latent, so this chunk writes none.
     leader: Request | None = None
+    # An ahead chunk (overlapped speculation): scheduled behind a verify chunk of shift_k drafts
+    # whose step is still on the device, as if it kept none; variants[a] are its drafts if it
+    # keeps a. The device moves it a positions on (step_packer.shift_ahead); the host does the
+    # same when that chunk is applied (start += a, drafts = variants[a]).
+    shift_k: int = 0
+    variants: tuple[tuple[int, ...], ...] = ()
+    admission: int = 0  # the request's admission it was scheduled in (a preempted one's later tokens move nothing)
 
     @property
     def writes(self) -> bool:
@@ -138,6 +145,11 @@ class Scheduler(Admission):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_logits_rows = max_logits_rows or max_num_seqs  # logits rows per step (drafts take rows too)
+        # Overlapped speculation (the engine sets it per step): drafts for requests whose last
+        # token is still on the device, and ahead chunks behind verify chunks of up to
+        # ahead_drafts drafts (StepShape.variants - 1).
+        self.speculate_ahead, self.ahead_drafts = False, 0
+        self.drafting_paused = False  # no drafts this step (a layout switch runs under overlapped speculation)
         self.set_speculation(None, 0)
         self.max_model_len = max_model_len
         self.eos_ids = set(eos_ids)
@@ -209,9 +221,12 @@ class Scheduler(Admission):
         todo = [r for r in self.running if r.num_tokens > r.num_computed]
         decoding = [r for r in todo if r.num_tokens - r.num_computed == 1 and not self.sampling_done(r)]
         prefilling = [r for r in todo if r.num_tokens - r.num_computed > 1]
+        if self.speculate_ahead:  # behind a verify chunk still on the device (scheduled as decodes)
+            decoding += [r for r in self.running if self._goes_ahead(r)]
         drafts = self._propose(decoding, min(budget, rows))
         order = self.prefill_order  # engine/prefill_order.py: prefill work in order, its cap beside decodes
-        budget = order.prefill_budget(budget, len(decoding) + sum(map(len, drafts.values())))
+        budget = order.prefill_budget(budget, len(decoding) + sum(
+            len(d[0]) if r.awaits_verify else len(d) for r in decoding if (d := drafts.get(id(r)))))
         deferred, admitting = [], True  # deferred: waiting for a block another request computes (kept in order)
         for request in decoding + order.plan(prefilling, self.waiting, time.monotonic()):
             if not isinstance(request, Request):  # admit up to this many from the waiting queue's front
@@ -221,6 +236,18 @@ class Scheduler(Admission):
             if request not in self.running or budget == 0 or rows == 0:
                 continue  # preempted by an earlier request of this step, or out of budget
             mine = drafts.get(id(request), ())
+            if request.awaits_verify:  # an ahead chunk: variants of drafts, pages for the longest shift
+                variants = mine or ((),)
+                if len(variants[0]) + 1 > min(budget, rows):
+                    variants = tuple(v[: min(budget, rows) - 1] for v in variants)
+                behind = request.unapplied[-1]
+                if not self._ensure_pages(request, behind.end + 1 + len(variants[0]), scheduled, preempted):
+                    continue
+                chunks.append(self._take_ahead(request, behind, variants))
+                scheduled.add(id(request))
+                budget -= chunks[-1].num_tokens
+                rows -= chunks[-1].num_rows
+                continue
             if mine and len(mine) + 1 > min(budget, rows):
                 mine = ()
             if mine:
@@ -254,6 +281,9 @@ class Scheduler(Admission):
         while limit > 0 and self.waiting and budget > 0 and rows > 0 and self._free_slots:
             limit -= 1
             request = self.waiting.popleft()
+            if request.awaits_verify:  # preempted behind a verify chunk: its tokens so far are not known yet
+                deferred.append(request)
+                continue
             admitted = self._admit(request, budget, rows)
             if admitted is None:  # no room: admission stays in order
                 self.waiting.appendleft(request)
@@ -267,23 +297,58 @@ class Scheduler(Admission):
             rows -= chunks[-1].num_rows
         return budget, rows, True
 
-    def _propose(self, decoding: list[Request], room: int) -> dict[int, tuple[int, ...]]:
+    def _goes_ahead(self, r: Request) -> bool:
+        """An ahead chunk may follow r's verify chunk on the device: one chunk in flight, from this
+        admission, its drafts no more than the ahead programs' variants, min_tokens met (the device
+        shifts sampling steps but not the host's min_tokens suppression), and every position the
+        chunk may land on inside the model (its pages are taken for the longest shift)."""
+        if len(r.unapplied) != 1 or not r.awaits_verify:
+            return False
+        behind = r.unapplied[0]
+        return (behind.admission == r.admissions and len(behind.drafts) <= self.ahead_drafts
+                and len(r.output_ids) >= r.params.min_tokens and behind.end < self.max_model_len
+                and not self.sampling_done(r) and can_speculate(r, ahead=True))
+
+    def _propose(self, decoding: list[Request], room: int) -> dict[int, tuple]:
         """Drafts per decoding request (by id) from the rows and tokens left once each decoding
-        request has its one, in decode order."""
-        if self.drafter is None:
+        request has its one, in decode order. An ahead request (awaits_verify) gets a tuple of
+        variants (speculative.propose_ahead), possibly of no drafts."""
+        if self.drafter is None or self.drafting_paused:
             return {}
         spare, out = room - len(decoding), {}
         for r in decoding:
-            if spare <= 0:
-                break
-            if not can_speculate(r):
+            if spare <= 0 and not r.awaits_verify:
+                continue
+            if not can_speculate(r, ahead=self.speculate_ahead):
+                continue
+            if r.awaits_verify:
+                behind = r.unapplied[-1]
+                k = min(self.num_speculative_tokens, max(spare, 0), self.max_model_len - behind.end - 1,
+                        r.params.max_tokens - r.num_generated - 1)
+                out[id(r)] = propose_ahead(self.drafter, r, k, behind.drafts)
+                spare -= len(out[id(r)][0])
                 continue
             k = min(max_drafts(r, self.num_speculative_tokens, self.max_model_len), spare)
-            d = tuple(self.drafter.propose(r, k)[:k]) if k else ()
+            if not k:
+                continue
+            d = tuple((self.drafter.propose_after(r, k, ()) if r.num_pending else self.drafter.propose(r, k))[:k])
             if d:
                 out[id(r)] = d
                 spare -= len(d)
         return out
+
+    def _take_ahead(self, request: Request, behind: ScheduledChunk, variants: tuple) -> ScheduledChunk:
+        """Schedule an ahead chunk behind `behind` (see ScheduledChunk.shift_k) as if that verify
+        chunk kept none of its drafts: its last token is then at behind.start + 1."""
+        start = behind.start + 1
+        chunk = ScheduledChunk(request, start, 1 + len(variants[0]), True, drafts=variants[0],
+                               shift_k=len(behind.drafts), variants=variants, admission=request.admissions)
+        request.num_computed = chunk.end
+        request.num_unverified = len(variants[0])
+        request.num_pending += 1
+        request.unapplied.append(chunk)
+        self.spec_stats.ahead_chunks += 1
+        return chunk
 
     def dispatched(self, chunks: list[ScheduledChunk]) -> None:
         """A step with these chunks was dispatched: their latents will be in the pool before any
@@ -302,8 +367,10 @@ class Scheduler(Admission):
     def _take(self, request: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed
         chunk = ScheduledChunk(request, start, n, start + n - len(drafts) == request.num_tokens, drafts=drafts,
-                               leader=request.follows)
+                               leader=request.follows, admission=request.admissions)
         request.follows = None
+        if chunk.samples:
+            request.unapplied.append(chunk)
         request.num_unverified = len(drafts)
         if request.wants_prompt_logprobs:
             chunk.lp_start = max(start, request.prompt_lp_next)
@@ -357,7 +424,7 @@ class Scheduler(Admission):
             cache.release(request)
         for pages in request.device_pages:
             self.allocator.free(pages)
-        request.device_pages = []
+        request.device_pages = []  # (its unapplied chunks stay listed: their tokens still apply, moving nothing)
         request.num_computed = request.num_cacheable = request.num_unverified = 0
         request.follows = None
         if request.slot >= 0:
@@ -390,17 +457,25 @@ class Scheduler(Admission):
         for chunk, row in zip((c for c in chunks if c.samples), rows):
             request = chunk.request
             request.num_pending -= 1
+            current = _settle(request, chunk)
             if request.status == Status.FINISHED:
                 continue  # stopped or aborted while this step ran: its token is dropped
             if chunk.drafts:
                 first = row - len(chunk.drafts)
                 out = accepted(chunk.drafts, tokens[first : row + 1])
                 self.spec_stats.record(len(chunk.drafts), len(out) - 1)
-                # the latents of the last known token and of the accepted drafts are final; the
-                # rejected drafts' slots are written again by the next step
-                request.num_unverified = 0
-                request.num_computed = chunk.start + len(out)
-                request.num_cacheable = min(request.num_cacheable, request.num_computed)
+                if current and request.status == Status.RUNNING and chunk.admission == request.admissions:
+                    # the latents of the last known token and of the accepted drafts are final; the
+                    # rejected drafts' slots are written again by the next step (an ahead chunk
+                    # behind this one moves on by the drafts kept, as the device moved it)
+                    ahead = request.unapplied[0] if request.unapplied else None
+                    if ahead is not None and ahead.shift_k:
+                        a = len(out) - 1
+                        ahead.start, ahead.drafts, ahead.shift_k = ahead.start + a, ahead.variants[a], 0
+                        request.num_computed, request.num_unverified = ahead.end, len(ahead.drafts)
+                    else:
+                        request.num_computed, request.num_unverified = chunk.start + len(out), 0
+                    request.num_cacheable = min(request.num_cacheable, request.num_computed)
                 rows_out = range(first, first + len(out))
             else:
                 out, rows_out = [int(tokens[row])], (row,)
@@ -423,3 +498,13 @@ class Scheduler(Admission):
         if reason is not None:
             self.finish(request, reason)
         return TokenUpdate(request, token, row, reason, stop_token and reason == "stop")
+
+
+def _settle(request: Request, chunk: ScheduledChunk) -> bool:
+    """Take `chunk` (and any older chunk a failed step left) off the request's unapplied list:
+    whether it was there (False: dropped by a device failure's recovery)."""
+    for i, c in enumerate(request.unapplied):
+        if c is chunk:
+            del request.unapplied[: i + 1]
+            return True
+    return False

@@ -32,14 +32,27 @@ import numpy as np
 from splash_jax.engine.request import Request
 from splash_jax.structured.reasoning_gate import needs_masks
 
-METHODS = ("off", "ngram", "mtp")
+METHODS = ("off", "ngram", "mtp")  # the CLI's; the library also takes "custom" with a drafter object
+LIBRARY_METHODS = METHODS + ("custom",)
 
 
-def can_speculate(request: Request) -> bool:
-    """Whether drafts for `request` keep its outputs exactly as without speculation (see above)."""
+def can_speculate(request: Request, ahead: bool = False) -> bool:
+    """Whether drafts for `request` keep its outputs exactly as without speculation (see above).
+    ahead: overlapped speculation, where drafts may follow a token still on the device."""
     p = request.params
-    return (request.num_pending == 0 and not needs_masks(request) and not p.uses_penalties
+    return ((request.num_pending == 0 or ahead) and not needs_masks(request) and not p.uses_penalties
             and not request.wants_prompt_logprobs)
+
+
+def propose_ahead(drafter, request: Request, k: int, behind: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Drafts of an ahead chunk (scheduler.ScheduledChunk.shift_k), one variant per count a of the
+    drafts `behind` (its verify chunk still on the device) that step may keep: variant a follows
+    the known tokens, behind[:a] and the token that step samples there (not known yet). Variants
+    have one length (shorter ones padded with their last draft, or 0: a draft never changes an
+    output, only what a step yields)."""
+    variants = [list(drafter.propose_after(request, k, tuple(behind[:a]))[:k]) if k else [] for a in range(len(behind) + 1)]
+    width = max(map(len, variants))
+    return tuple(tuple(v + [v[-1] if v else 0] * (width - len(v))) for v in variants)
 
 
 def max_drafts(request: Request, k: int, max_model_len: int) -> int:
@@ -77,6 +90,15 @@ class NgramDrafter:
             return []
         seq = np.asarray(request.token_slice(0, request.num_known), np.int64)
         return ngram_draft(seq, k, self.min_n, self.max_n)
+
+    def propose_after(self, request: Request, k: int, prefix: tuple[int, ...]) -> list[int]:
+        """Drafts to follow the known tokens, `prefix`, then one token not known yet (overlapped
+        speculation): the lookup proposes k + 1 after known + prefix, its first a guess of that
+        token, dropped (the drafts are right only if the guess was: n-gram drafts lag a step)."""
+        if k <= 0:
+            return []
+        seq = np.asarray(request.token_slice(0, request.num_known) + list(prefix), np.int64)
+        return ngram_draft(seq, k + 1, self.min_n, self.max_n)[1:]
 
 
 class MtpDrafter:
@@ -133,6 +155,7 @@ class SpeculativeStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     histogram: list[int] = dataclasses.field(default_factory=list)  # [a]: verify chunks that accepted a drafts
+    ahead_chunks: int = 0  # chunks scheduled behind a verify chunk still on the device (overlapped speculation)
 
     def __post_init__(self):
         self.histogram = self.histogram or [0] * (self.k + 1)
@@ -150,5 +173,5 @@ class SpeculativeStats:
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
             "mean_accepted_per_step": self.accepted_tokens / chunks if chunks else 0.0,
-            "accepted_histogram": list(self.histogram),
+            "accepted_histogram": list(self.histogram), "ahead_chunks": self.ahead_chunks,
         }

@@ -29,6 +29,7 @@ from splash_jax.attention.expanded import DEFAULT_SPANS, span_capacities, worth_
 from splash_jax.engine.sampler import SamplerWidths, SamplingInputs
 from splash_jax.kv.cache import StepInput
 from splash_jax.kv.page_table import PageTables
+from splash_jax.mesh.layouts import AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,10 @@ class StepShape:
     widths: SamplerWidths
     expanded: bool = False  # the program runs up to `spans` prefill chunks per device in the expanded form
     spans: int = DEFAULT_SPANS  # rows of an expanded program's prefill_span (EngineConfig.expanded_prefill_spans)
+    # Draft variants of a verify chunk scheduled behind another still on the device (1 + K, one
+    # per count the earlier chunk may keep; 0: none) and the pool's page size they address with.
+    variants: int = 0
+    page_size: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -97,6 +102,9 @@ class StepShape:
         for f in dataclasses.fields(SamplingInputs):
             a = getattr(sampling, f.name)
             fields.append(Field("s_" + f.name, a.shape, a.dtype))
+        if self.variants:  # ahead verify chunks (pack_ahead): each token's logits row, each row's shift
+            fields += [Field("tok_row", (t,), np.int32), Field("row_shift", (r,), np.int32),
+                       Field("var_draft", (self.variants, r), np.int32)]
         return BufferSpec(tuple(fields))
 
     def device_spec(self) -> BufferSpec:
@@ -105,7 +113,9 @@ class StepShape:
             Field("token_request", (t,), np.int32), Field("write_offset", (t,), np.int32),
             Field("write_page", (g, t), np.int32), Field("kv_lens", (g, t), np.int32),
             Field("page_table", (g, self.requests, self.pages), np.int32),
-        ) + ((Field("prefill_span", (self.spans, 2), np.int32),) if self.expanded else ()))
+        ) + ((Field("prefill_span", (self.spans, 2), np.int32),) if self.expanded else ())
+          + ((Field("var_page", (g, 2, self.rows), np.int32), Field("var_before", (g, 2, self.rows), np.int32))
+             if self.variants else ()))
 
 
 def step_buffer(rep: np.ndarray, dev: np.ndarray) -> np.ndarray:
@@ -125,14 +135,55 @@ def unpack_step(shape: StepShape, rep: jax.Array, dev: jax.Array, prev_tokens: j
     """Inside the step program (per device): -> (StepInput, SamplingInputs, token_slot, prompt_len)."""
     r = shape.replicated_spec().unpack(rep)
     d = shape.device_spec().unpack(dev)
+    sampling = SamplingInputs(**{f.name: r["s_" + f.name] for f in dataclasses.fields(SamplingInputs)})
+    if shape.variants:
+        r, d, sampling = shift_ahead(shape, r, d, sampling, prev_tokens)
     src = r["src_row"]
-    tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] - 1)], r["tokens"])
+    tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] // 2 - 1)], r["tokens"])
     batch = StepInput(
         tokens, r["positions"], d["token_request"], d["write_page"], d["write_offset"], d["kv_lens"],
         d["page_table"], r["logits_index"], d.get("prefill_span"), r["token_slot"] >= 0,
     )
-    sampling = SamplingInputs(**{f.name: r["s_" + f.name] for f in dataclasses.fields(SamplingInputs)})
     return batch, sampling, r["token_slot"], r["prompt_len"]
+
+
+def shift_ahead(shape: StepShape, r: dict, d: dict, sampling: SamplingInputs, prev_tokens: jax.Array):
+    """Inside the step program: move each ahead verify chunk (pack_ahead) to where the verify chunk
+    before it ended. That chunk's step, still on the device when this one was packed, kept a of
+    its drafts (prev_tokens' second half, step_programs.token_vector); the host packed this chunk
+    as if a were 0. Its tokens move a positions on, its first token is that step's row first + a,
+    its drafts are variant a, and its cache writes and key lengths come from the two pages its
+    tokens may fall in (var_page, var_before: the host's page facts for them)."""
+    half = prev_tokens.shape[0] // 2
+    rows = r["row_shift"].shape[0]
+    rs = r["row_shift"]
+    a_row = jnp.where(rs >= 0, prev_tokens[half + jnp.clip(rs, 0, half - 1)], 0)
+    tr = r["tok_row"]
+    shifted = tr >= 0
+    trc = jnp.clip(tr, 0, rows - 1)
+    a_tok = jnp.where(shifted, a_row[trc], 0)
+    base = r["positions"]
+    pos = base + a_tok
+    drafted = r["var_draft"][a_tok, jnp.clip(trc - 1, 0, rows - 1)]
+    src = jnp.where(r["src_row"] >= 0, r["src_row"] + a_tok, -1)
+    r = dict(r, positions=pos, src_row=src, tokens=jnp.where(shifted & (src < 0), drafted, r["tokens"]))
+    draft = jnp.where(rs >= 0, r["var_draft"][a_row, jnp.arange(rows)], sampling.draft)
+    sampling = dataclasses.replace(sampling, draft=draft, step=sampling.step + a_row)
+    # this device's token slots: segment d of the step's slots (owner rows) or all of them
+    tq, ps = shape.tokens, shape.page_size
+    if shape.owner_rows:
+        at = jax.lax.axis_index(AXIS) * tq
+        pos, base = jax.lax.dynamic_slice(pos, (at,), (tq,)), jax.lax.dynamic_slice(base, (at,), (tq,))
+        shifted, trc = jax.lax.dynamic_slice(shifted, (at,), (tq,)), jax.lax.dynamic_slice(trc, (at,), (tq,))
+    j = pos // ps - base // ps  # 0 or 1: a < page size
+    seg = jnp.arange(shape.segments)[:, None]
+    page = d["var_page"][seg, j[None, :], trc[None, :]]  # [G, Tq]
+    before = d["var_before"][seg, j[None, :], trc[None, :]]
+    held = page != np.iinfo(np.int32).max
+    d = dict(d, write_page=jnp.where(shifted, page, d["write_page"]),
+             write_offset=jnp.where(shifted, pos % ps, d["write_offset"]),
+             kv_lens=jnp.where(shifted, before * ps + jnp.where(held, pos % ps + 1, 0), d["kv_lens"]))
+    return r, d, sampling
 
 
 def host_step_input(shape: StepShape, packed: "PackedStep") -> StepInput:
@@ -230,11 +281,12 @@ def pack_step(
         for c in chunks:
             req = c.request
             known = min(c.end, req.num_known)
-            vals = req.token_slice(c.start, known)
-            if c.drafts:  # a verify chunk: its last known token, then the drafts
-                values.append(vals + list(c.drafts))
-                sources.append([-1] * (len(vals) + len(c.drafts)))
+            if c.drafts or c.shift_k:  # a verify chunk: its last token (known, or sampled by the step before), then the drafts
+                fed = c.start >= req.num_known
+                values.append(([0] if fed else req.token_slice(c.start, c.start + 1)) + list(c.drafts))
+                sources.append([req.pending_row - c.shift_k if fed else -1] + [-1] * len(c.drafts))
                 continue
+            vals = req.token_slice(c.start, known)
             pad = c.end - max(known, c.start)  # positions whose token is still on the device
             values.append(vals + [0] * pad)
             sources.append([-1] * len(vals) + [req.pending_row] * pad)
@@ -305,16 +357,54 @@ def pack_step(
 
     per_device = {"token_request": token_request, "write_offset": write_offset, "write_page": write_page,
                   "kv_lens": kv_lens, "page_table": page_table}
+    ahead = {}
+    if shape.variants:
+        ahead, var_pages = pack_ahead(shape, chunks, tables, row, nrows, base, owners)
+        per_device.update(var_pages)
     if shape.expanded:
         per_device["prefill_span"] = prefill_spans(
             n, lengths, starts, lslot, owners if shape.owner_rows else None, span_min_tokens, shape.spans, tq)
     rep = shape.replicated_spec().pack({
         "tokens": tokens, "positions": positions, "src_row": src_row, "token_slot": token_slot,
         "prompt_len": prompt_len, "logits_index": logits_index,
-        **{"s_" + f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingInputs)},
+        **{"s_" + f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingInputs)}, **ahead,
     })
     dev = shape.device_spec().pack(per_device, lead=(n,))
     return PackedStep(rep, dev, row[samples].tolist(), prompt_rows, base, lrow)
+
+
+def pack_ahead(shape: StepShape, chunks: Sequence, tables: PageTables, row: np.ndarray, nrows: np.ndarray,
+               first_slot: np.ndarray, owners: np.ndarray) -> tuple[dict, dict]:
+    """The fields of ahead verify chunks (chunk.shift_k > 0: scheduled behind a verify chunk of
+    the same request whose step is still on the device; shift_ahead moves them on the device):
+    -> (replicated fields, per-device fields). Each token of such a chunk names its logits row
+    (tok_row); its rows name the earlier chunk's sampling row, where that step's accepted count
+    is (row_shift); var_draft[v] are the drafts if v were kept; var_page / var_before the page
+    facts of the two pages a token at base position p may fall in (p // page_size and the next)."""
+    n, g, r, ps = shape.devices, shape.segments, shape.rows, shape.page_size
+    t_total = shape.total_tokens
+    tok_row = np.full(t_total, -1, np.int32)
+    row_shift = np.full(r, -1, np.int32)
+    var_draft = np.full((shape.variants, r), -1, np.int32)
+    var_page = np.full((n, g, 2, r), np.iinfo(np.int32).max, np.int32)
+    var_before = np.zeros((n, g, 2, r), np.int32)
+    for i, c in enumerate(chunks):
+        if not c.shift_k:
+            continue
+        k, first = len(c.drafts), int(row[i] - nrows[i] + 1)
+        rows = np.arange(first, first + k + 1)
+        tok_row[first_slot[i] : first_slot[i] + k + 1] = rows
+        row_shift[rows] = c.request.pending_row
+        for v, drafts in enumerate(c.variants):
+            var_draft[v, first : first + k] = drafts
+        j = np.minimum((c.start + np.arange(k + 1))[None, :] // ps + np.arange(2)[:, None], tables.m - 1)  # [2, k+1]
+        slot = c.request.slot
+        for d in ([int(owners[i])] if shape.owner_rows else range(n)):
+            local = tables.local_of[d, :g, slot][:, j]  # [G, 2, k+1]
+            var_page[d][:, :, rows] = np.where(local >= 0, local, np.iinfo(np.int32).max)
+            var_before[d][:, :, rows] = tables.before[d, :g, slot][:, j]
+    return ({"tok_row": tok_row, "row_shift": row_shift, "var_draft": var_draft},
+            {"var_page": var_page, "var_before": var_before})
 
 
 def prefill_spans(n: int, lengths: np.ndarray, starts: np.ndarray, lslot: np.ndarray, owners: np.ndarray | None,

@@ -8,6 +8,7 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -82,6 +83,7 @@ def step_executor_args(config, platform: str, n: int, pages_per_request: int, wi
         graph_scheduling=config.graph_scheduling,
         unroll_max_tokens=config.unroll_max_tokens, step_input_memory=config.resolved_step_input_memory(platform),
         fused_max_tokens=config.resolved_fused_sampler_max_tokens(platform),
+        spec_variants=config.speculative_variants,
     )
 
 
@@ -128,12 +130,41 @@ def layout_step(graphdef, state, kv, mesh, layout: Layout, impl: str):
     return mapped
 
 
+def accepted_counts(draft: jax.Array, tokens: jax.Array) -> jax.Array:
+    """[R] per logits row: the drafts its verify chunk kept (speculative.accepted's rule, on the
+    device), read at each chunk's last row; 0 for rows without a chunk of drafts. A verify chunk
+    is a run of rows with drafts (draft >= 0) closed by its sampling row (draft -1), so a row's
+    chunk starts after the last draft-less row before it, and its count is how many of those
+    rows sampled their own draft before the first that did not."""
+    r = draft.shape[0]
+    idx = jnp.arange(r, dtype=jnp.int32)
+    plain = draft < 0
+    # first row of each row's chunk: one past the last draft-less row before it
+    first = jax.lax.cummax(jnp.where(plain, idx, -1), axis=0)
+    first = jnp.concatenate([jnp.zeros(1, jnp.int32), first[:-1] + 1])
+    # the first row at or after q that ends the run of kept drafts (a miss, or the sampling row)
+    stop = plain | (tokens != draft)
+    next_stop = jax.lax.cummin(jnp.where(stop, idx, r), axis=0, reverse=True)
+    return jnp.minimum(next_stop[first], idx) - first
+
+
+def token_vector(tokens: jax.Array, draft: jax.Array | None, max_rows: int) -> jax.Array:
+    """A step's sampled tokens as the [2 * max_rows] vector the next step reads (prev_tokens):
+    the tokens by row, then accepted_counts by row, so a step scheduled before this one's
+    tokens reach the host can start where its verify chunks ended (step_packer.unpack_step)."""
+    rows = tokens.shape[0]
+    out = jnp.zeros(2 * max_rows, jnp.int32).at[:rows].set(tokens)
+    if draft is not None:
+        out = out.at[max_rows : max_rows + rows].set(accepted_counts(draft, tokens))
+    return out
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepResult:
     """A dispatched step's device outputs (nothing is read back until asked)."""
 
-    tokens: jax.Array  # [max_rows] int32: sampled tokens, padded (the next step may read them)
+    tokens: jax.Array  # [2 * max_rows] int32: sampled tokens, then accepted draft counts (token_vector)
     logprob: jax.Array  # [rows]
     top_ids: jax.Array  # [rows, MAX_LOGPROBS]
     top_logprobs: jax.Array

@@ -1,0 +1,182 @@
+"""What a given draft acceptance buys at each batch size: speculative decoding with a drafter whose
+acceptance is set (engine/set_acceptance.py), on a real-size model with dummy weights, whose own
+drafts (n-grams, an untrained MTP layer) would say nothing about a trained model's.
+
+    python -m benchmarks.speculative_scaling --shape v2-lite --num-layers 27 --dtype bfloat16
+    python -m benchmarks.speculative_scaling --batches 1,4 --max-tokens 16 --context 64 \\
+        --max-num-seqs 4 --max-num-batched-tokens 64          # bundled model, quick (CPU)
+
+For each batch: B requests of `context` random prompt tokens (distinct per request), greedy,
+ignore_eos, `max_tokens` output tokens; `--seed` (the engine's) also seeds the prompts and the
+drafter's decisions. Speculation off runs first (overlapped scheduling, the
+engine's default): its outputs are the recorded continuations the drafter replays and its time
+the baseline. Then, for each acceptance p and each K, the same requests with the drafter. Prompts
+are prefilled once before the runs (a short warm-up run), so the prefix cache serves them to every
+measured run; `tok_per_s` is the decode phase (from the step where every request has its first
+token to the end), `e2e_tok_per_s` all of it. With K drafts per step the engine's acceptance rate
+(`measured_acceptance`) is expected at (p + ... + p^K) / K and accepted drafts per step at
+p + ... + p^K (`expected_accepted`). `mean_k` is recorded when the engine reports one (adaptive K).
+
+In bfloat16 a verify step's wider matrices round differently, so a near-tie may flip a greedy
+token (`requests_differing`, reported; the drafter stops drafting a request that left its
+recording); in float32 any difference fails the run. Writes JSON to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from benchmarks.common import build_engine, parse_engine_and_bench, table, write_results
+from benchmarks.speculative import divergence
+from splash_jax.engine import Engine, SamplingParams
+from splash_jax.engine.set_acceptance import SetAcceptanceDrafter, expected_accepted
+
+log = logging.getLogger("benchmarks.speculative_scaling")
+
+
+@dataclasses.dataclass
+class ScalingBench:
+    shape: str = ""  # v2-lite | v3 (dummy weights); empty: the engine's --model (the bundled one)
+    num_layers: int = 0  # layers of the shape (0 = all)
+    batches: str = "1,8,32,64,128"
+    acceptance: str = "0.8,0.3"  # set per-draft acceptance probabilities p
+    drafts: str = "3"  # K values (comma-separated) run for each p
+    context: int = 1024  # prompt tokens per request
+    max_tokens: int = 128  # output tokens per request
+
+
+@dataclasses.dataclass
+class Outputs:
+    token_ids: list[int]
+
+
+@dataclasses.dataclass
+class Run:
+    seconds: float  # all of it, prefill included
+    decode_seconds: float  # from the step where every request has a token to the end
+    decode_tokens: int  # tokens output in that time
+    outs: list[Outputs]
+    prompts: list[tuple[int, ...]]  # as the requests hold them (the drafter's keys)
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> Run:
+    """The requests to completion, step by step, timing the decode phase apart."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    requests = [engine.make_request(p, params) for p in prompts]
+    tokens = {r.request_id: [] for r in requests}
+    t0 = time.perf_counter()
+    for r in requests:
+        engine.add_request(r)
+    left, waiting_first = len(requests), len(requests)
+    t1, n1 = None, 0
+    while left:
+        for out in engine.step():
+            got = tokens.get(out.request_id)
+            if got is None:
+                continue
+            if out.error:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            if out.delta_token_ids and not got:
+                waiting_first -= 1
+            got += out.delta_token_ids
+            left -= out.finished
+        if t1 is None and waiting_first == 0:
+            t1, n1 = time.perf_counter(), sum(map(len, tokens.values()))
+    end = time.perf_counter()
+    total = sum(map(len, tokens.values()))
+    return Run(end - t0, end - t1, total - n1, [Outputs(tokens[r.request_id]) for r in requests],
+               [tuple(r.prompt_ids) for r in requests])
+
+
+def random_prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random prompts, distinct per request (no two share a cached page: a shared prefix would
+    make the batch's prefill cheaper than real traffic's), avoiding ids 0 and 1 (BOS/EOS of some)."""
+    rng = np.random.default_rng([seed, batch])
+    out = rng.integers(2, vocab, (batch, context)).tolist()
+    if len({tuple(p[:8]) for p in out}) < batch:
+        raise ValueError("random prompts share their first tokens: use a longer --context or another --seed")
+    return out
+
+
+def check_room(engine: Engine, batches: list[int], k_max: int) -> None:
+    c = engine.config
+    for b in batches:
+        if b > c.max_num_seqs:
+            log.warning("batch %d > --max-num-seqs %d: it runs in waves", b, c.max_num_seqs)
+        elif b * (1 + k_max) > min(c.max_num_batched_tokens, engine.max_logits_rows):
+            log.warning("batch %d x (1 + K=%d) tokens exceed a step's %d: some requests verify fewer drafts",
+                        b, k_max, min(c.max_num_batched_tokens, engine.max_logits_rows))
+
+
+def main(argv=None):
+    bench, config = parse_engine_and_bench(__doc__, ScalingBench, argv,
+                                           defaults={"max_num_seqs": 128, "max_num_batched_tokens": 512})
+    batches = [int(x) for x in bench.batches.split(",")]
+    ps = [float(x) for x in bench.acceptance.split(",")]
+    ks = [int(x) for x in bench.drafts.split(",")]
+    # logits rows for the largest K: an engine started with speculation (set_speculative fits drafts into them)
+    config = dataclasses.replace(config, speculative_method="ngram", speculative_tokens=max(ks))
+    engine = build_engine(config, bench.shape, bench.num_layers)
+    check_room(engine, batches, max(ks))
+    vocab = engine.model_config.vocab_size
+    dtype = str(engine.page_dtype)
+    rows = []
+    for batch in batches:
+        prompts = random_prompts(batch, bench.context, vocab, config.seed)
+        engine.set_speculative("off")
+        run(engine, prompts, 4)  # prefills the prompts into the prefix cache; first runs of the buckets
+        base = run(engine, prompts, bench.max_tokens)
+        recorded = {p: o.token_ids for p, o in zip(base.prompts, base.outs)}
+        runs = [(None, 0, base, {}, None)]
+        engine.set_speculative("custom", max(ks), drafter=SetAcceptanceDrafter(recorded, 1.0, vocab_size=vocab))
+        run(engine, prompts, 8)  # first runs of the verify steps' buckets
+        log.info("batch %d off: %.1f tok/s decode", batch, base.decode_tokens / base.decode_seconds)
+        for p in ps:
+            for k in ks:
+                drafter = SetAcceptanceDrafter(recorded, p, seed=config.seed, vocab_size=vocab)
+                engine.set_speculative("custom", k, drafter=drafter)
+                r = run(engine, prompts, bench.max_tokens)
+                spec = engine.stats()["speculative"] or {}
+                runs.append((p, k, r, spec, drafter))
+                log.info("batch %d p=%.2f K=%d: %.1f tok/s decode, acceptance %.3f", batch, p, k,
+                         r.decode_tokens / r.decode_seconds, spec.get("acceptance_rate", 0.0))
+        for p, k, r, spec, drafter in runs:
+            differ, first = divergence(r.outs, base.outs)
+            tok_s = r.decode_tokens / r.decode_seconds
+            row = {
+                "batch": batch, "acceptance": p, "K": k, "measured_acceptance": spec.get("acceptance_rate"),
+                "accepted_per_step": spec.get("mean_accepted_per_step"),
+                "expected_accepted": expected_accepted(p, k) if k else None,
+                "tok_per_s": tok_s, "speedup": tok_s / (base.decode_tokens / base.decode_seconds),
+                "e2e_tok_per_s": sum(len(o.token_ids) for o in r.outs) / r.seconds,
+                "tokens": sum(len(o.token_ids) for o in r.outs), "decode_tokens": r.decode_tokens,
+                "seconds": r.seconds, "decode_seconds": r.decode_seconds,
+                "histogram": spec.get("accepted_histogram"),
+                "requests_differing": None if not k else differ, "first_difference_at": None if not k else first,
+                "requests_diverged": drafter.num_diverged if drafter else None,
+            }
+            if "mean_k" in spec:  # adaptive K (per-step K chosen by the engine)
+                row["mean_k"] = spec["mean_k"]
+            rows.append(row)
+    engine.set_speculative("off")
+    columns = ["batch", "acceptance", "K", "measured_acceptance", "accepted_per_step", "expected_accepted",
+               "tok_per_s", "speedup", "requests_differing"]
+    if any("mean_k" in r for r in rows):
+        columns.insert(3, "mean_k")
+    print(table(rows, columns))
+    write_results("speculative_scaling", {
+        "config": dataclasses.asdict(bench), "dtype": dtype,
+        "engine": {k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows})
+    if any(r["requests_differing"] for r in rows):
+        message = "a speculative run's tokens differ from decoding one token per step"
+        if "float32" in dtype:
+            raise SystemExit(message)
+        log.warning("%s (%s: near-ties round differently in a verify step's shapes)", message, dtype)
+
+
+if __name__ == "__main__":
+    main()
