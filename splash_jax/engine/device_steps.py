@@ -162,7 +162,9 @@ class DeviceSteps:
             self._recover(e, step.chunks)
             return []
         self.num_steps += 1
-        self.timeline.completed(time.perf_counter(), step.chunks, back_to_back)
+        record = self.timeline.completed(time.perf_counter(), step.chunks, back_to_back)
+        if record is not None and not record.prefill_tokens and self.draft_budget is not None:
+            self.draft_budget.observe(sum(c.num_tokens for c in step.chunks), record.interval_s)
         now = time.monotonic()
         for i, first, count in step.prompt_rows:
             collect_prompt_logprobs(step.chunks[i].request, logprobs, first, count)

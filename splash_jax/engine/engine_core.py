@@ -169,7 +169,7 @@ class EngineCore(DeviceSteps):
         )
         self.mtp_drafter = MtpDrafter(k) if mtp else None  # drafts the device computed, by request
         self._custom_drafter = None  # set_speculative("custom", k, drafter)
-        self.scheduler.set_speculation(self._drafter(), k)
+        self.draft_budget = None  # drafts per step from measured costs (engine/draft_budget.py): after the executor
         self.slot_sampling = SlotSampling(config.max_num_seqs, widths, sorted(self.eos_ids))
         self._slot_request: list[Request | None] = [None] * config.max_num_seqs
         kv = self.model.new_cache(
@@ -181,6 +181,7 @@ class EngineCore(DeviceSteps):
         )
         self.executor = StepExecutor(self.model, kv, self.mesh, self.layout, **executor_args)
         self.scheduler.ahead_drafts = self.executor.spec_variants - 1
+        self._set_speculation()
         self.mtp = None  # MTP draft programs (engine/mtp_draft.py): one per step program, run right after it
         if mtp:
             from splash_jax.engine.mtp_draft import MtpDraftRunner
@@ -424,8 +425,25 @@ class EngineCore(DeviceSteps):
             raise
         if self.mtp_drafter is not None:
             self.mtp_drafter.forget()
-        self.scheduler.set_speculation(self._drafter(), self.config.speculative_k)
+        self._set_speculation()
         return outputs
+
+    def _set_speculation(self) -> None:
+        """The scheduler's drafter, K and draft budget from the config (counters start again)."""
+        c = self.config
+        self.draft_budget = None
+        if c.speculative_k and c.speculative_adaptive:
+            from splash_jax.engine.draft_budget import DraftBudget
+
+            self.draft_budget = DraftBudget(self._bucket_tokens)
+        self.scheduler.set_speculation(self._drafter(), c.speculative_k, self.draft_budget)
+
+    def _bucket_tokens(self, tokens: int) -> int:
+        """The token bucket a decode step of `tokens` tokens runs in (owner layouts: per device,
+        as if spread evenly); ValueError beyond the largest."""
+        if self.layout.owner_rows:
+            tokens = -(-tokens // self.n)
+        return self.executor.pick(tokens, 1).tokens
 
     def set_overlap(self, enabled: bool) -> list[CoreOutput]:
         """Switch overlapped scheduling on or off between steps (returns the flushed outputs)."""

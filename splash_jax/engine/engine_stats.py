@@ -49,6 +49,7 @@ def engine_stats(engine) -> dict:
         "step_intervals": engine.timeline.summary(),  # cadence by step kind (engine/step_timeline.py)
         "structured_outputs": engine.masks.summary(),
         # drafts proposed and accepted (engine/speculative.py); None with speculation off
-        "speculative": (engine.scheduler.spec_stats.summary(engine.config.speculative_method)
+        "speculative": (dict(engine.scheduler.spec_stats.summary(engine.config.speculative_method),
+                             adaptive=engine.draft_budget.summary() if engine.draft_budget is not None else None)
                         if engine.config.speculative_k else None),  # grammar mask fills: count, rows, host ms per fill
     }

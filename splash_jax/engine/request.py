@@ -8,6 +8,8 @@ import math
 import time
 from typing import TYPE_CHECKING
 
+from splash_jax.engine.draft_budget import Acceptance
+
 if TYPE_CHECKING:
     from splash_jax.structured.spec import StructuredOutputs
 
@@ -168,6 +170,7 @@ class Request:
     # sampling chunks scheduled whose tokens the host has not applied yet, oldest first (overlapped
     # speculation moves the next one once the verify chunk before it is applied: scheduler.py)
     unapplied: list = dataclasses.field(default_factory=list)
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # its drafts kept so far (draft_budget.py)
     slot: int = -1  # its row in the persistent page tables, sampling and penalty state while running
     device_pages: list[list[int]] = dataclasses.field(default_factory=list)  # per device, global page ids
     owner: int = 0  # device holding its pages under owner layouts (dp, dop)

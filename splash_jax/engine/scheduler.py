@@ -48,7 +48,8 @@ import time
 from splash_jax.engine.admission import Admission, cap_to_rows
 from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.request import Request, Status
-from splash_jax.engine.speculative import SpeculativeStats, accepted, can_speculate, max_drafts, propose_ahead
+from splash_jax.engine.spec_scheduling import SpeculativeScheduling, settle
+from splash_jax.engine.speculative import accepted
 from splash_jax.kv.allocator import PageAllocator
 from splash_jax.kv.page_table import PageTables
 from splash_jax.kv.placement import Placement
@@ -122,7 +123,7 @@ def advance_grammar(request: Request, token: int) -> str | None:
     return "stop" if g.is_stopped() else None
 
 
-class Scheduler(Admission):
+class Scheduler(Admission, SpeculativeScheduling):
     def __init__(
         self,
         allocator: PageAllocator,
@@ -166,15 +167,6 @@ class Scheduler(Admission):
         self.cache_stats = CacheStats()
         self.cache: PrefixCache | None = PrefixCache(allocator, self.cache_stats) if enable_prefix_caching else None
         self.page_copies: list[tuple[int, int]] = []  # copy-on-write copies for the next step (take_page_copies)
-
-    def set_speculation(self, drafter, num_tokens: int) -> None:
-        """drafter.propose(request, k) -> up to k draft token ids (None or num_tokens 0: off);
-        the counters start again."""
-        self.drafter = drafter if num_tokens else None
-        self.num_speculative_tokens = num_tokens if drafter is not None else 0
-        # positions past a sampling chunk whose latents the drafter's device work writes (MTP's chain)
-        self.lookahead = getattr(self.drafter, "lookahead", 0)
-        self.spec_stats = SpeculativeStats(self.num_speculative_tokens)
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn the prefix cache on or off (off forgets every cached page)."""
@@ -223,7 +215,7 @@ class Scheduler(Admission):
         prefilling = [r for r in todo if r.num_tokens - r.num_computed > 1]
         if self.speculate_ahead:  # behind a verify chunk still on the device (scheduled as decodes)
             decoding += [r for r in self.running if self._goes_ahead(r)]
-        drafts = self._propose(decoding, min(budget, rows))
+        drafts = self._propose(decoding, min(budget, rows), len(decoding))
         order = self.prefill_order  # engine/prefill_order.py: prefill work in order, its cap beside decodes
         budget = order.prefill_budget(budget, len(decoding) + sum(
             len(d[0]) if r.awaits_verify else len(d) for r in decoding if (d := drafts.get(id(r)))))
@@ -296,59 +288,6 @@ class Scheduler(Admission):
             budget -= admitted
             rows -= chunks[-1].num_rows
         return budget, rows, True
-
-    def _goes_ahead(self, r: Request) -> bool:
-        """An ahead chunk may follow r's verify chunk on the device: one chunk in flight, from this
-        admission, its drafts no more than the ahead programs' variants, min_tokens met (the device
-        shifts sampling steps but not the host's min_tokens suppression), and every position the
-        chunk may land on inside the model (its pages are taken for the longest shift)."""
-        if len(r.unapplied) != 1 or not r.awaits_verify:
-            return False
-        behind = r.unapplied[0]
-        return (behind.admission == r.admissions and len(behind.drafts) <= self.ahead_drafts
-                and len(r.output_ids) >= r.params.min_tokens and behind.end < self.max_model_len
-                and not self.sampling_done(r) and can_speculate(r, ahead=True))
-
-    def _propose(self, decoding: list[Request], room: int) -> dict[int, tuple]:
-        """Drafts per decoding request (by id) from the rows and tokens left once each decoding
-        request has its one, in decode order. An ahead request (awaits_verify) gets a tuple of
-        variants (speculative.propose_ahead), possibly of no drafts."""
-        if self.drafter is None or self.drafting_paused:
-            return {}
-        spare, out = room - len(decoding), {}
-        for r in decoding:
-            if spare <= 0 and not r.awaits_verify:
-                continue
-            if not can_speculate(r, ahead=self.speculate_ahead):
-                continue
-            if r.awaits_verify:
-                behind = r.unapplied[-1]
-                k = min(self.num_speculative_tokens, max(spare, 0), self.max_model_len - behind.end - 1,
-                        r.params.max_tokens - r.num_generated - 1)
-                out[id(r)] = propose_ahead(self.drafter, r, k, behind.drafts)
-                spare -= len(out[id(r)][0])
-                continue
-            k = min(max_drafts(r, self.num_speculative_tokens, self.max_model_len), spare)
-            if not k:
-                continue
-            d = tuple((self.drafter.propose_after(r, k, ()) if r.num_pending else self.drafter.propose(r, k))[:k])
-            if d:
-                out[id(r)] = d
-                spare -= len(d)
-        return out
-
-    def _take_ahead(self, request: Request, behind: ScheduledChunk, variants: tuple) -> ScheduledChunk:
-        """Schedule an ahead chunk behind `behind` (see ScheduledChunk.shift_k) as if that verify
-        chunk kept none of its drafts: its last token is then at behind.start + 1."""
-        start = behind.start + 1
-        chunk = ScheduledChunk(request, start, 1 + len(variants[0]), True, drafts=variants[0],
-                               shift_k=len(behind.drafts), variants=variants, admission=request.admissions)
-        request.num_computed = chunk.end
-        request.num_unverified = len(variants[0])
-        request.num_pending += 1
-        request.unapplied.append(chunk)
-        self.spec_stats.ahead_chunks += 1
-        return chunk
 
     def dispatched(self, chunks: list[ScheduledChunk]) -> None:
         """A step with these chunks was dispatched: their latents will be in the pool before any
@@ -457,25 +396,13 @@ class Scheduler(Admission):
         for chunk, row in zip((c for c in chunks if c.samples), rows):
             request = chunk.request
             request.num_pending -= 1
-            current = _settle(request, chunk)
+            current = settle(request, chunk)
             if request.status == Status.FINISHED:
                 continue  # stopped or aborted while this step ran: its token is dropped
             if chunk.drafts:
                 first = row - len(chunk.drafts)
                 out = accepted(chunk.drafts, tokens[first : row + 1])
-                self.spec_stats.record(len(chunk.drafts), len(out) - 1)
-                if current and request.status == Status.RUNNING and chunk.admission == request.admissions:
-                    # the latents of the last known token and of the accepted drafts are final; the
-                    # rejected drafts' slots are written again by the next step (an ahead chunk
-                    # behind this one moves on by the drafts kept, as the device moved it)
-                    ahead = request.unapplied[0] if request.unapplied else None
-                    if ahead is not None and ahead.shift_k:
-                        a = len(out) - 1
-                        ahead.start, ahead.drafts, ahead.shift_k = ahead.start + a, ahead.variants[a], 0
-                        request.num_computed, request.num_unverified = ahead.end, len(ahead.drafts)
-                    else:
-                        request.num_computed, request.num_unverified = chunk.start + len(out), 0
-                    request.num_cacheable = min(request.num_cacheable, request.num_computed)
+                self._verified(chunk, len(out) - 1, current)
                 rows_out = range(first, first + len(out))
             else:
                 out, rows_out = [int(tokens[row])], (row,)
@@ -499,12 +426,3 @@ class Scheduler(Admission):
             self.finish(request, reason)
         return TokenUpdate(request, token, row, reason, stop_token and reason == "stop")
 
-
-def _settle(request: Request, chunk: ScheduledChunk) -> bool:
-    """Take `chunk` (and any older chunk a failed step left) off the request's unapplied list:
-    whether it was there (False: dropped by a device failure's recovery)."""
-    for i, c in enumerate(request.unapplied):
-        if c is chunk:
-            del request.unapplied[: i + 1]
-            return True
-    return False

@@ -53,16 +53,20 @@ class StepTimeline:
         self._open = False  # the last record still waits for its step() call's host time
         self.gaps = 0  # completions after an idle wait (interval not recorded)
 
-    def completed(self, now: float, chunks, back_to_back: bool) -> None:
-        """A step completed at `now`; `back_to_back`: the previous step() call completed one too."""
+    def completed(self, now: float, chunks, back_to_back: bool) -> StepRecord | None:
+        """A step completed at `now`; `back_to_back`: the previous step() call completed one too.
+        -> its record (None: not back to back)."""
         self._open = False
+        record = None
         if self._last_done is not None and back_to_back:
             prefill, decode = classify(chunks)
-            self._records.append(StepRecord(now - self._last_done, prefill, decode))
+            record = StepRecord(now - self._last_done, prefill, decode)
+            self._records.append(record)
             self._open = True
         elif self._last_done is not None:
             self.gaps += 1
         self._last_done = now
+        return record
 
     def host_time(self, host_s: float) -> None:
         """The engine thread's CPU time in the step() call that completed the last step (scheduling,
