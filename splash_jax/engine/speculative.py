@@ -26,6 +26,7 @@ a draft may cross the budget), and requests still owed prompt logprobs.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -78,27 +79,72 @@ def accepted(drafts, tokens) -> list[int]:
 class NgramDrafter:
     """Prompt lookup: the longest suffix n-gram (max_n down to min_n tokens) that occurred before
     in the request's prompt + output; its most recent earlier occurrence's continuation is the
-    draft (copying code under edit, quoting a retrieved passage)."""
+    draft (copying code under edit, quoting a retrieved passage). Each request keeps an index of
+    its n-grams (NgramIndex), extended by the tokens it gained since the last step, so a lookup
+    costs a few dictionary reads, not a scan of the sequence."""
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"--speculative-ngram-min ({min_n}) must be in [1, --speculative-ngram-max ({max_n})]")
         self.min_n, self.max_n = min_n, max_n
+        self._index: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
+
+    def _of(self, request: Request) -> NgramIndex:
+        index = self._index.get(request)
+        if index is None:
+            index = self._index[request] = NgramIndex(self.min_n, self.max_n)
+        index.extend(request)
+        return index
 
     def propose(self, request: Request, k: int) -> list[int]:
-        if k <= 0:
-            return []
-        seq = np.asarray(request.token_slice(0, request.num_known), np.int64)
-        return ngram_draft(seq, k, self.min_n, self.max_n)
+        return self._of(request).lookup(k, ()) if k > 0 else []
 
     def propose_after(self, request: Request, k: int, prefix: tuple[int, ...]) -> list[int]:
         """Drafts to follow the known tokens, `prefix`, then one token not known yet (overlapped
         speculation): the lookup proposes k + 1 after known + prefix, its first a guess of that
         token, dropped (the drafts are right only if the guess was: n-gram drafts lag a step)."""
-        if k <= 0:
-            return []
-        seq = np.asarray(request.token_slice(0, request.num_known) + list(prefix), np.int64)
-        return ngram_draft(seq, k + 1, self.min_n, self.max_n)[1:]
+        return self._of(request).lookup(k + 1, prefix)[1:] if k > 0 else []
+
+
+class NgramIndex:
+    """One request's n-grams (min_n..max_n tokens) -> the latest start that has a token after it:
+    ngram_draft's answer for the known tokens, kept up to date as tokens arrive."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.seq: list[int] = []
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> latest start j with j + n < len(seq)
+
+    def extend(self, request: Request) -> None:
+        known = request.num_known
+        size = len(self.seq)
+        if known <= size:
+            return
+        self.seq += request.token_slice(size, known)
+        seq = self.seq
+        for end in range(size, known):  # windows that now have a continuation: they end before `end`
+            for n in range(self.min_n, self.max_n + 1):
+                if end - n >= 0:
+                    self.latest[tuple(seq[end - n : end])] = end - n
+
+    def lookup(self, k: int, prefix: tuple[int, ...]) -> list[int]:
+        """ngram_draft(known + prefix, k, min_n, max_n) from the index (prefix: a few tokens past it)."""
+        seq = self.seq + list(prefix) if prefix else self.seq
+        size, known = len(seq), len(self.seq)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            suffix = seq[size - n :]
+            start = -1
+            for j in range(size - n - 1, known - n - 1, -1):  # windows reaching past the index, latest first
+                if j >= 0 and seq[j : j + n] == suffix:
+                    start = j
+                    break
+            if start < 0:
+                start = self.latest.get(tuple(suffix), -1)
+                if start + n > known - 1:  # (the index holds only windows with a known continuation)
+                    start = -1
+            if start >= 0:
+                return seq[start + n : start + n + k]
+        return []
 
 
 class MtpDrafter:

@@ -388,21 +388,32 @@ def pack_ahead(shape: StepShape, chunks: Sequence, tables: PageTables, row: np.n
     var_draft = np.full((shape.variants, r), -1, np.int32)
     var_page = np.full((n, g, 2, r), np.iinfo(np.int32).max, np.int32)
     var_before = np.zeros((n, g, 2, r), np.int32)
-    for i, c in enumerate(chunks):
-        if not c.shift_k:
-            continue
-        k, first = len(c.drafts), int(row[i] - nrows[i] + 1)
-        rows = np.arange(first, first + k + 1)
-        tok_row[first_slot[i] : first_slot[i] + k + 1] = rows
-        row_shift[rows] = c.request.pending_row
-        for v, drafts in enumerate(c.variants):
-            var_draft[v, first : first + k] = drafts
-        j = np.minimum((c.start + np.arange(k + 1))[None, :] // ps + np.arange(2)[:, None], tables.m - 1)  # [2, k+1]
-        slot = c.request.slot
-        for d in ([int(owners[i])] if shape.owner_rows else range(n)):
-            local = tables.local_of[d, :g, slot][:, j]  # [G, 2, k+1]
-            var_page[d][:, :, rows] = np.where(local >= 0, local, np.iinfo(np.int32).max)
-            var_before[d][:, :, rows] = tables.before[d, :g, slot][:, j]
+    ahead = [i for i, c in enumerate(chunks) if c.shift_k]
+    if ahead:
+        idx = np.asarray(ahead)
+        ks = np.fromiter((len(chunks[i].drafts) for i in ahead), np.int64, len(ahead))
+        firsts = (row[idx] - nrows[idx] + 1).astype(np.int64)
+        counts = ks + 1
+        which = np.repeat(np.arange(len(ahead)), counts)  # each ahead token's chunk (of `ahead`)
+        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows = firsts[which] + offset  # each ahead token's logits row
+        tok_row[first_slot[idx][which] + offset] = rows
+        row_shift[rows] = np.fromiter((chunks[i].request.pending_row for i in ahead), np.int64, len(ahead))[which]
+        for n_i, i in enumerate(ahead):  # one small assignment per chunk: its variants x drafts
+            if ks[n_i]:
+                v = np.asarray(chunks[i].variants)
+                var_draft[: len(v), firsts[n_i] : firsts[n_i] + ks[n_i]] = v
+        starts = np.fromiter((chunks[i].start for i in ahead), np.int64, len(ahead))
+        slots = np.fromiter((chunks[i].request.slot for i in ahead), np.int64, len(ahead))[which]
+        j = np.minimum(((starts[which] + offset) // ps)[None, :] + np.arange(2)[:, None], tables.m - 1)  # [2, T]
+        segs = np.arange(g)[:, None, None]
+        devices = [owners[idx][which]] if shape.owner_rows else [np.full(len(rows), d) for d in range(n)]
+        for dev in devices:  # the token's owner (owner rows), or every device
+            local = tables.local_of[dev[None, None, :], segs, slots[None, None, :], j[None, :, :]]  # [G, 2, T]
+            var_page[dev[None, None, :], segs, np.arange(2)[None, :, None], rows[None, None, :]] = np.where(
+                local >= 0, local, np.iinfo(np.int32).max)
+            var_before[dev[None, None, :], segs, np.arange(2)[None, :, None], rows[None, None, :]] = tables.before[
+                dev[None, None, :], segs, slots[None, None, :], j[None, :, :]]
     return ({"tok_row": tok_row, "row_shift": row_shift, "var_draft": var_draft},
             {"var_page": var_page, "var_before": var_before})
 
