@@ -47,6 +47,8 @@ class ScalingBench:
     drafts: str = "3"  # K values (comma-separated) run for each p
     context: int = 1024  # prompt tokens per request
     max_tokens: int = 128  # output tokens per request
+    modes: str = "adaptive,fixed"  # adaptive: the engine picks K per step (--speculative-adaptive); fixed: K always
+    profile_steps: int = 0  # >0 (GPU): trace this many decode steps per run; GPU busy vs wall per step
 
 
 @dataclasses.dataclass
@@ -92,6 +94,33 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> Run:
                [tuple(r.prompt_ids) for r in requests])
 
 
+def profile(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
+    """GPU busy and wall time per engine step in the decode phase of these requests (a profiler
+    trace of `steps` steps once every request has its first token); the requests are then aborted."""
+    from benchmarks.profiling import device_busy
+
+    params = SamplingParams(max_tokens=10 * steps + 64, ignore_eos=True)
+    requests = [engine.make_request(p, params) for p in prompts]
+    for r in requests:
+        engine.add_request(r)
+    firsts: set[str] = set()
+    for _ in range(1000):
+        firsts |= {o.request_id for o in engine.step() if o.delta_token_ids}
+        if len(firsts) == len(requests):
+            break
+    for _ in range(4):
+        engine.step()
+    prof = device_busy(engine.step, steps, sync=lambda: engine.flush() and None)
+    for r in requests:
+        engine.abort(r.request_id)
+    while engine.has_work():
+        engine.step()
+    engine.flush()
+    if prof.busy_ms is None:
+        return {"step_wall_ms": prof.window_ms}
+    return {"gpu_busy_ms": prof.busy_ms, "step_wall_ms": prof.window_ms, "step_over_busy": prof.window_ms / prof.busy_ms}
+
+
 def random_prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
     """Random prompts, distinct per request (no two share a cached page: a shared prefix would
     make the batch's prefill cheaper than real traffic's), avoiding ids 0 and 1 (BOS/EOS of some)."""
@@ -127,28 +156,35 @@ def main(argv=None):
     rows = []
     for batch in batches:
         prompts = random_prompts(batch, bench.context, vocab, config.seed)
+        engine.config.speculative_adaptive = True
         engine.set_speculative("off")
         run(engine, prompts, 4)  # prefills the prompts into the prefix cache; first runs of the buckets
         base = run(engine, prompts, bench.max_tokens)
         recorded = {p: o.token_ids for p, o in zip(base.prompts, base.outs)}
-        runs = [(None, 0, base, {}, None)]
+        base_prof = profile(engine, prompts, bench.profile_steps) if bench.profile_steps else {}
+        runs = [(None, 0, None, base, {}, None, base_prof)]
+        engine.config.speculative_adaptive = False
         engine.set_speculative("custom", max(ks), drafter=SetAcceptanceDrafter(recorded, 1.0, vocab_size=vocab))
         run(engine, prompts, 8)  # first runs of the verify steps' buckets
         log.info("batch %d off: %.1f tok/s decode", batch, base.decode_tokens / base.decode_seconds)
-        for p in ps:
-            for k in ks:
-                drafter = SetAcceptanceDrafter(recorded, p, seed=config.seed, vocab_size=vocab)
-                engine.set_speculative("custom", k, drafter=drafter)
-                r = run(engine, prompts, bench.max_tokens)
-                spec = engine.stats()["speculative"] or {}
-                runs.append((p, k, r, spec, drafter))
-                log.info("batch %d p=%.2f K=%d: %.1f tok/s decode, acceptance %.3f", batch, p, k,
-                         r.decode_tokens / r.decode_seconds, spec.get("acceptance_rate", 0.0))
-        for p, k, r, spec, drafter in runs:
+        for mode in bench.modes.split(","):
+            engine.config.speculative_adaptive = mode == "adaptive"
+            for p in ps:
+                for k in ks:
+                    drafter = SetAcceptanceDrafter(recorded, p, seed=config.seed, vocab_size=vocab)
+                    engine.set_speculative("custom", k, drafter=drafter)
+                    r = run(engine, prompts, bench.max_tokens)
+                    spec = engine.stats()["speculative"] or {}
+                    prof = profile(engine, prompts, bench.profile_steps) if bench.profile_steps else {}
+                    runs.append((p, k, mode, r, spec, drafter, prof))
+                    log.info("batch %d %s p=%.2f K=%d: %.1f tok/s decode, acceptance %.3f", batch, mode, p, k,
+                             r.decode_tokens / r.decode_seconds, spec.get("acceptance_rate", 0.0))
+        for p, k, mode, r, spec, drafter, prof in runs:
             differ, first = divergence(r.outs, base.outs)
             tok_s = r.decode_tokens / r.decode_seconds
             row = {
-                "batch": batch, "acceptance": p, "K": k, "measured_acceptance": spec.get("acceptance_rate"),
+                "batch": batch, "mode": mode or "off", "acceptance": p, "K": k,
+                "measured_acceptance": spec.get("acceptance_rate"), "ahead_chunks": spec.get("ahead_chunks"),
                 "accepted_per_step": spec.get("mean_accepted_per_step"),
                 "expected_accepted": expected_accepted(p, k) if k else None,
                 "tok_per_s": tok_s, "speedup": tok_s / (base.decode_tokens / base.decode_seconds),
@@ -159,14 +195,19 @@ def main(argv=None):
                 "requests_differing": None if not k else differ, "first_difference_at": None if not k else first,
                 "requests_diverged": drafter.num_diverged if drafter else None,
             }
-            if "mean_k" in spec:  # adaptive K (per-step K chosen by the engine)
-                row["mean_k"] = spec["mean_k"]
+            adaptive = spec.get("adaptive") or {}
+            if adaptive:  # per-step K chosen by the engine (engine/draft_budget.py)
+                row["mean_k"] = adaptive["mean_k"]
+                row["steps_without_drafts"] = adaptive["steps_without_drafts"]
+            row.update(prof)
             rows.append(row)
     engine.set_speculative("off")
-    columns = ["batch", "acceptance", "K", "measured_acceptance", "accepted_per_step", "expected_accepted",
+    columns = ["batch", "mode", "acceptance", "K", "measured_acceptance", "accepted_per_step", "expected_accepted",
                "tok_per_s", "speedup", "requests_differing"]
     if any("mean_k" in r for r in rows):
-        columns.insert(3, "mean_k")
+        columns.insert(4, "mean_k")
+    if any("step_over_busy" in r for r in rows):
+        columns += ["gpu_busy_ms", "step_wall_ms", "step_over_busy"]
     print(table(rows, columns))
     write_results("speculative_scaling", {
         "config": dataclasses.asdict(bench), "dtype": dtype,
