@@ -3,8 +3,10 @@
 A verify chunk of k drafts yields 1 + a tokens, a = the drafts kept. With a request's drafts
 each kept with probability alpha given the ones before were (a geometric run), the chunk's
 expected yield is 1 + alpha + ... + alpha^k. The step's cost is what the engine measured for
-decode-only steps of that many tokens (not their bucket's: the MoE reads the experts of real
-rows only, so a verify step costs more than a plain one of the same bucket), so the best choice
+decode-only steps of that many tokens: their bucket sets the padded work (a draft that moves
+the step into the next bucket costs that bucket), and within a bucket the real rows (the MoE
+reads the experts of real rows only, so a verify step costs more than a plain one of the same
+bucket). So the best choice
 over the batch is the number n of drafts, taken in order of their expected gain alpha_r^i (the
 i-th draft of request r), that maximizes
 
@@ -13,9 +15,10 @@ i-th draft of request r), that maximizes
 n = 0 when no draft pays for the larger step: the step then decodes one token per request (and
 overlaps, as any step). Costs are moving averages of the interval between back-to-back
 decode-only steps (device time and host work that did not hide under it), by token count,
-interpolated between counts measured; a count above every measured one is assumed to cost what
-the largest measured one does, so the engine tries it once and learns. A step smaller than any
-measured runs without drafts first (its own cost is the baseline every draft is weighed against).
+interpolated between counts measured in the same bucket; a bucket not measured yet is assumed
+to cost what the dearest smaller one did, so the engine tries it once and learns. A step
+smaller than any measured runs without drafts first (its own cost is the baseline every draft
+is weighed against).
 alpha per request is the running rate of kept drafts (kept / (kept + first misses)), from a
 prior of one of each, so a request whose drafts are always rejected ends with k = 0.
 
@@ -55,7 +58,7 @@ class DraftBudget:
     """Per-step draft counts from measured acceptance and step costs (see the module docstring)."""
 
     def __init__(self, bucket_of=None):
-        self.bucket_of = bucket_of or (lambda tokens: tokens)  # step tokens -> the largest bucket's check (ValueError beyond)
+        self.bucket_of = bucket_of or (lambda tokens: 0)  # step tokens -> its bucket (ValueError beyond the largest)
         self.cost: dict[int, float] = {}  # step tokens -> seconds per decode-only step (moving average)
         self.steps = 0  # steps it chose for
         self.drafts = 0  # drafts it chose over those steps
@@ -68,21 +71,33 @@ class DraftBudget:
         self.cost[tokens] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 
     def _costs(self, tokens: np.ndarray) -> np.ndarray:
-        """Estimated seconds of decode-only steps of these token counts: measured ones, linear
-        between measured neighbours, the largest measured below beyond them (optimistic: the
-        engine tries a larger step once and learns its cost); inf past the largest bucket."""
-        out = np.ones(len(tokens))
-        if self.cost:
-            xs = np.array(sorted(self.cost))
-            ys = np.array([self.cost[x] for x in xs])
-            out = np.interp(tokens, xs, ys)  # constant beyond either end
+        """Estimated seconds of decode-only steps of these token counts. Within a bucket (one
+        program, padded alike) linear between measured counts and flat beyond them; a bucket not
+        measured yet costs what the dearest smaller measured bucket did (optimistic: the engine
+        tries it once and learns), or the cheapest larger one; inf past the largest bucket."""
+        by_bucket: dict[int, list[int]] = {}
+        for t in sorted(self.cost):
+            by_bucket.setdefault(self._bucket(t), []).append(t)
+        out = np.empty(len(tokens))
         for i, t in enumerate(tokens):
-            try:
-                self.bucket_of(int(t))
-            except ValueError:
+            b = self._bucket(int(t))
+            if b is None:
                 out[i:] = math.inf
                 break
+            xs = by_bucket.get(b)
+            if xs:
+                out[i] = np.interp(t, xs, [self.cost[x] for x in xs])
+                continue
+            smaller = [self.cost[x] for k, v in by_bucket.items() if k is not None and k < b for x in v]
+            larger = [self.cost[x] for k, v in by_bucket.items() if k is not None and k > b for x in v]
+            out[i] = max(smaller) if smaller else min(larger) if larger else 1.0
         return out
+
+    def _bucket(self, tokens: int) -> int | None:
+        try:
+            return int(self.bucket_of(tokens))
+        except ValueError:  # beyond every bucket
+            return None
 
     def choose(self, alphas: list[float], limits: list[int], tokens: int) -> list[int]:
         """Drafts per request (parallel to alphas: its acceptance, limits: at most this many) for
