@@ -25,10 +25,12 @@ the export does not write them unless asked.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from splash_jax.layers import RMSNorm, init_param
+from splash_jax.kv.cache import layer_batch
+from splash_jax.layers import RMSNorm, init_param, logits_dot
 from splash_jax.model_config import ModelConfig
 
 
@@ -61,3 +63,45 @@ def build_mtp_layers(cfg: ModelConfig, dtype, rngs, expert_format: str, moe_impl
     return nnx.List([
         MTPLayer(cfg, cfg.num_layers + j, dtype, rngs, expert_format, moe_impl) for j in range(cfg.num_mtp_layers)
     ])
+
+
+# --- the pieces of `DeepseekForCausalLM.mtp_forward` the draft program (engine/mtp_draft.py) runs ---
+def mtp_layer_output(model, kv, batch, hidden, ctx, embedded=None, cos_sin=None, mtp_layer: int = 0):
+    """mtp_forward without its head: the layer's pre-norm output [T, D] at every token slot and the
+    pool with its latents written. `embedded` / `cos_sin` may come precomputed (the draft chain
+    computes every chain step's rope rows at once); by default as mtp_forward computes them."""
+    cfg = model.cfg
+    if embedded is None:
+        embedded = ctx.embed(model.embed[...], batch.tokens)
+    if cos_sin is None:
+        cos_sin = model.rope_cos_sin(batch.positions)
+    step = layer_batch(batch, cfg.num_layers + mtp_layer, kv.pages_per_segment(), kv.num_layers)
+    x, pools = model.mtp[mtp_layer](embedded, hidden, cos_sin, kv.flat(), step, ctx)
+    return x, kv.unflat(pools)
+
+
+def lm_head(model):
+    """The LM head [D, V] the MTP layer shares with the main model (inside shard_map: this device's columns)."""
+    return model.embed[...].T if model.cfg.tie_word_embeddings else model.lm_head[...]
+
+
+def greedy_tokens(h, head, vocab_size: int, axis: str | None = None):
+    """argmax over the vocabulary of the logits h [C, D] (normed) @ head: int32 [C], equal to
+    jnp.argmax of model._logits (first index on ties; padded columns >= vocab_size never win).
+    Inside shard_map over `axis` the head is vocab-sharded: each device takes the argmax of its
+    own logits columns and only (max, index) pairs are gathered, not the float32 [C, V] logits
+    (13 MB per device at 32 rows of V2-Lite's 102,400-token vocabulary); the first shard that
+    holds the maximum wins, as in one argmax over the gathered logits."""
+    width = head.shape[1]
+    first = jax.lax.axis_index(axis) * width if axis is not None else 0
+    local = logits_dot(h, head)  # [C, width]: this device's columns of the logits ctx.logits gathers
+    column = first + jnp.arange(width, dtype=jnp.int32)
+    local = jnp.where(column[None] < vocab_size, local, -jnp.inf)  # fused into the argmax's reduction
+    index = jnp.argmax(local, axis=-1).astype(jnp.int32)
+    if axis is None:
+        return index
+    best = jnp.take_along_axis(local, index[:, None], axis=-1)[:, 0]
+    # one collective: token ids < 2^24 are exact in float32
+    pairs = jax.lax.all_gather(jnp.stack([best, (index + first).astype(jnp.float32)]), axis)  # [N, 2, C]
+    win = jnp.argmax(pairs[:, 0], axis=0)
+    return jnp.take_along_axis(pairs[:, 1], win[None], axis=0)[0].astype(jnp.int32)

@@ -1,8 +1,11 @@
 """MTP speculative decoding (engine/mtp_draft.py): the drafts are the MTP layer's (equal to
-mtp_forward chained by hand on one device), greedy outputs equal decoding one token per step
-(max_tokens and stop strings landing inside verify chunks), in every layout and across live
-switches, nothing compiles after warm-up, and a checkpoint without an MTP layer is refused."""
+mtp_forward chained by hand on one device, also for steps mixing verify, plain sampling and
+prefill chunks; the head's argmax per vocabulary shard equals one over the gathered logits),
+greedy outputs equal decoding one token per step (max_tokens and stop strings landing inside
+verify chunks), in every layout and across live switches, nothing compiles after warm-up, and a
+checkpoint without an MTP layer is refused."""
 
+import collections
 import dataclasses
 import json
 import shutil
@@ -246,6 +249,49 @@ def test_drafts_after_every_step_are_the_mtp_layers(engine, reference, monkeypat
     assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
 
 
+def test_a_step_mixing_verify_plain_and_prefill_chunks_drafts_as_the_reference(engine, reference, monkeypatch):
+    """Steps holding a verify chunk (oracle drafts: none, some or all kept), a plain sampling chunk
+    (a request with a penalty is never speculated) and a prefill chunk that samples nothing (a new
+    prompt longer than the step's budget): the drafts the draft program computes for them (the MTP
+    pass's head only at each chain row's last accepted position, then the chain) equal the MTP
+    layer run by hand on one device, and outputs equal decoding one token per step."""
+    prompts = [PROMPTS[1], PROMPTS[2], "Pages of latent vectors move between devices while requests keep running."]
+    params = [SamplingParams(max_tokens=14), SamplingParams(max_tokens=14, repetition_penalty=1.3),
+              SamplingParams(max_tokens=3)]
+    want = _generate(engine, "off", prompts[:2], params[:2])  # the third prompt stays out of the prefix cache
+    ids = [engine.tokenizer.encode(p, add_bos=True) for p in prompts]
+    assert len(ids[2]) > 2 * KW["max_num_batched_tokens"]
+    oracle = collections.defaultdict(list, {tuple(i): w.token_ids for i, w in zip(ids, want)})  # drafts for the first
+    steps, take = [], engine.mtp.take
+
+    def spy(chunks):  # (chunk kinds of the step, (sequence known, drafts) per sampling chunk)
+        got = take(chunks)
+        kinds = {"verify" if c.drafts else "plain" if c.samples else "prefill" for c in chunks}
+        steps.append((kinds, [(list(r.prompt_ids) + list(r.output_ids), [int(t) for t in d]) for r, d in got or ()]))
+        return got
+
+    monkeypatch.setattr(engine.mtp, "take", spy)
+    engine.scheduler.set_speculation(_OracleDrafter(oracle), K)
+    try:
+        for i in range(2):
+            engine.add_request(ids[i], params[i], request_id=f"mix-{i}")
+        requests = [engine._requests[f"mix-{i}"] for i in range(2)]
+        while not all(r.output_ids for r in requests):
+            engine.step()
+        engine.add_request(ids[2], params[2], request_id="mix-2")  # its prefill beside the two decoding
+        requests.append(engine._requests["mix-2"])
+        while not all(r.is_finished for r in requests):
+            engine.step()
+    finally:
+        engine.set_speculative("mtp")
+    want += _generate(engine, "off", prompts[2:], params[2:])
+    assert [list(r.output_ids) for r in requests] == [w.token_ids for w in want]
+    mixed = [records for kinds, records in steps if kinds == {"verify", "plain", "prefill"}]
+    assert len(mixed) >= 2 and all(len(records) == 2 for records in mixed), [(sorted(k), len(r)) for k, r in steps]
+    wrong = [(seq, d, reference(seq)) for records in mixed for seq, d in records if d != reference(seq)]
+    assert not wrong, wrong[:3]
+
+
 def test_full_sampler_steps_feed_the_draft_program(engine, reference, monkeypatch):
     """Steps whose rows want logprobs or draw run the sampler program after the step program; the
     draft program runs on its tokens: greedy rows with logprobs keep the outputs and the drafts
@@ -274,6 +320,33 @@ def test_drafts_read_the_step_input_from_pinned_host_memory(folder, engine, refe
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert {key[3] for key in pinned.executor._compiled} == {False, True}  # both kinds of step ran
     assert seen and all(d == reference(seq) for seq, d in seen)
+
+
+def test_greedy_tokens_equal_the_argmax_of_the_gathered_logits():
+    """The draft head's argmax per vocabulary shard (mtp.greedy_tokens, engine/mtp_draft.py) equals
+    jnp.argmax over the gathered logits sliced to the vocabulary: small integer logits tie often,
+    within and across shards (the first index wins), and padded columns larger than every real one
+    never win; on one device and on 8."""
+    from jax.sharding import PartitionSpec as Spec
+
+    from splash_jax.layers import logits_dot
+    from splash_jax.mesh.layouts import AXIS, make_mesh
+    from splash_jax.mtp import greedy_tokens
+
+    rng = np.random.default_rng(2)
+    vocab, padded, rows = 120, 128, 40
+    h = jnp.asarray(rng.integers(0, 3, (rows, 4)), jnp.float32)
+    head = rng.integers(0, 3, (4, padded)).astype(np.float32)
+    head[:, vocab:] = 9.0  # padding columns (zero in a real head) above every real logit
+    head[:, 5] = head[:, 77]  # a tie across shards: 5 on shard 0, 77 on shard 4
+    head = jnp.asarray(head)
+    logits = np.asarray(logits_dot(h, head))[:, :vocab]
+    want = np.argmax(logits, axis=-1)
+    assert (logits == logits.max(-1, keepdims=True)).sum(-1).max() > 1  # ties are exercised
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_tokens, static_argnums=2)(h, head, vocab)), want)
+    sharded = jax.jit(jax.shard_map(lambda h, head: greedy_tokens(h, head, vocab, AXIS), mesh=make_mesh(8),
+                                    in_specs=(Spec(), Spec(None, AXIS)), out_specs=Spec(), check_vma=False))
+    np.testing.assert_array_equal(np.asarray(sharded(h, head)), want)
 
 
 # --- every layout and live switches (8 CPU devices) ----------------------------------------------

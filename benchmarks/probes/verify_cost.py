@@ -3,6 +3,8 @@ against a plain decode step, and the draft acceptance rate at which it breaks ev
 
     python -m benchmarks.probes.verify_cost --shape v2-lite --dtype bfloat16 --kv-memory-gb 20 \\
         --max-num-seqs 32 --max-num-batched-tokens 256
+    JAX_PLATFORMS=cpu python -m benchmarks.probes.verify_cost --shape "" --model models/splash-tiny \\
+        --dtype float32 --speculative-method mtp --batches 1,2 --drafts 0,3 --context 64 --repeats 2
 
 A verification step runs K + 1 query tokens per request (the last accepted token and K drafts)
 against the request's cache: the work of a prefill chunk of K + 1 tokens at the end of a
@@ -15,7 +17,11 @@ exceeds its cost ratio: the break-even a is printed. Writes JSON to benchmarks/r
 
 With `--speculative-method mtp` (and `--mtp-layers 1` for a shape without one) every step also
 runs the MTP draft program (the MTP pass over the step's tokens and the K-draft chain), which the
-profiled window includes: run once without and once with it for the draft program's cost.
+profiled window includes: run once without and once with it for what MTP adds to a step. Each
+row then also times the draft program alone (`draft_program_ms`: GPU busy per dispatch, None off
+GPUs; `draft_window_ms`: wall time per dispatch, dispatched back to back): one more such step
+keeps its draft program's inputs, and that program is dispatched again `repeats` times on them
+(it writes the same MTP latents again, in pages of requests already aborted).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import jax
 import numpy as np
 
 from benchmarks.common import parse_engine_and_bench, table, write_results
@@ -35,7 +42,7 @@ log = logging.getLogger("benchmarks.probes.verify_cost")
 
 @dataclasses.dataclass
 class ProbeConfig:
-    shape: str = "v2-lite"  # v2-lite | v3 (dummy weights)
+    shape: str = "v2-lite"  # v2-lite | v3 (dummy weights); "": the engine's --model, its own weights
     num_layers: int = 0  # layers of the slice (0 = the full model)
     mtp_layers: int = -1  # num_nextn_predict_layers of the dummy checkpoint (-1: the shape's own)
     batches: str = "1,8,32"
@@ -71,13 +78,36 @@ def one_step(engine: Engine, batch: int, k: int, context: int, rng) -> None:
         engine.abort(r.request_id)
 
 
+def draft_alone(engine: Engine, batch: int, k: int, context: int, rng, repeats: int):
+    """The MTP draft program of one such step, alone (see the module docstring): a BusyProfile."""
+    runner, kept = engine.mtp, {}
+
+    def keep(tokens):  # runner.fire, keeping what it dispatches on
+        kept["armed"], kept["tokens"] = runner._armed, tokens
+        type(runner).fire(runner, tokens)
+
+    runner.fire = keep
+    try:
+        one_step(engine, batch, k, context, rng)
+    finally:
+        del runner.fire
+
+    def again():
+        runner._armed = kept["armed"]
+        runner.fire(kept["tokens"])
+
+    again()  # warm
+    return device_busy(again, repeats, sync=lambda: jax.block_until_ready(engine.executor.pool))
+
+
 def main(argv=None):
     c, config = parse_engine_and_bench(__doc__, ProbeConfig, argv, "probe")
-    overrides = {"num_hidden_layers": c.num_layers} if c.num_layers else {}
-    if c.mtp_layers >= 0:
-        overrides["num_nextn_predict_layers"] = c.mtp_layers
-    config.model = str(shape_folder(c.shape, **overrides))
-    config.load_format, config.overlap_scheduling = "dummy", False
+    if c.shape:
+        overrides = {"num_hidden_layers": c.num_layers} if c.num_layers else {}
+        if c.mtp_layers >= 0:
+            overrides["num_nextn_predict_layers"] = c.mtp_layers
+        config.model, config.load_format = str(shape_folder(c.shape, **overrides)), "dummy"
+    config.overlap_scheduling = False
     engine = Engine(config)
     rng = np.random.default_rng(0)
     rows = []
@@ -92,8 +122,15 @@ def main(argv=None):
                          "ratio_vs_plain": ratio, "break_even_acceptance": break_even(ratio, k) if ratio else None,
                          "kernels_per_step": busy.kernels})
             rows[-1]["window_ms"] = busy.window_ms  # wall per repeat, admission and abort included
+            if engine.mtp is not None:
+                draft = draft_alone(engine, b, k, c.context, rng, c.repeats)
+                rows[-1].update(draft_program_ms=draft.busy_ms, draft_window_ms=draft.window_ms,
+                                draft_kernels=draft.kernels, draft_top_kernels=draft.top)
             log.info("batch %d, K %d: %s ms GPU busy", b, k, busy.busy_ms)
-    print(table(rows, ["batch", "drafts", "tokens_per_step", "busy_ms", "ratio_vs_plain", "break_even_acceptance"]))
+    columns = ["batch", "drafts", "tokens_per_step", "busy_ms", "ratio_vs_plain", "break_even_acceptance"]
+    if engine.mtp is not None:
+        columns += ["draft_program_ms", "draft_window_ms"]
+    print(table(rows, columns))
     write_results("verify_cost", {"config": dataclasses.asdict(c), "engine": dataclasses.asdict(config), "rows": rows})
 
 

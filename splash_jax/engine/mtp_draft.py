@@ -19,7 +19,9 @@ moving, deferred), the step programs stay as they were (plus one output), and th
 one program for the whole chain.
 
 What the program computes (for a step whose chunk of request r covers positions s..e-1):
-  1. The MTP pass over every token slot of the step: at position q, hidden h_q (the main model's
+  1. The acceptance of each verify chunk, as the host computes it (speculative.accepted):
+     a = the leading rows whose sampled token equals their draft (0 for a plain sampling chunk).
+  2. The MTP pass over every token slot of the step: at position q, hidden h_q (the main model's
      final hidden state, the LM head's input) and the embedding of token q+1, writing the MTP
      latent at q. Token q+1 is the next prompt (or known) token inside a chunk and for a prefill
      chunk's last position (the first token of its next chunk, known on the host), and the
@@ -29,16 +31,22 @@ What the program computes (for a step whose chunk of request r covers positions 
      bound every read.) Every step of an engine started with MTP runs it, with speculation
      switched off or to n-gram too (then its drafts are not read back): so every computed
      position, a cached prefix page's too, has its MTP latent when drafting resumes.
-  2. The acceptance of each verify chunk, as the host computes it (speculative.accepted):
-     a = the leading rows whose sampled token equals their draft.
-  3. Draft 1 = argmax of the MTP logits at the last accepted row (position s + a; a = 0 and its
-     last position for a plain sampling chunk); drafts 2..K chain the MTP layer on its own output
-     hidden state and the previous draft, one row per sampling chunk, at positions s+a+1, ...
-     These chain latents are temporary: the next step's pass 1 writes those positions again.
-     Their pages are addressed from a table of the 2K positions after s that the host packs
-     (`c_page`, `c_lens`), picked on the device once a is known; the scheduler gives requests
-     pages for these positions when it can (MtpDrafter.lookahead), else the writes are dropped
-     and only the drafts suffer.
+     Its head (norm, LM head, argmax) runs only at the last accepted position of each sampling
+     chunk (s + a, or e - 1), one row per chain row: draft 1.
+  3. Drafts 2..K chain the MTP layer on its own output hidden state and the previous draft, one
+     row per chain row, at positions s+a+1, ... These chain latents are temporary: the next
+     step's pass 1 writes those positions again. Their pages are addressed from a table of the
+     2K positions after s that the host packs (`c_page`, `c_lens`), picked on the device once a
+     is known; the scheduler gives requests pages for these positions when it can
+     (MtpDrafter.lookahead), else the writes are dropped and only the drafts suffer.
+Each draft is one LM-head product (the head is read K times a step, the floor for K dependent
+drafts), and its argmax is taken per vocabulary shard (mtp.greedy_tokens): no float32 logits
+are gathered. The chain's positions, rope rows and pages are computed for all its steps at once,
+so each chain step is the embedding, the layer and the head. The chain is unrolled in the
+program, not a lax.scan: on GPUs XLA launches a while loop's iterations from the host one at a
+time (about 0.1 ms of host time per layer of a scanned step, engine/compile_options.py) unless it
+unrolls the loop again; K - 1 copies of one layer cost compile time only (bundled model on CPU:
+1.8 s vs 1.6 s scanned at K = 3, 4.2 s vs 2.2 s at K = 8).
 Drafts are argmax of the MTP logits: a deterministic draft, which the verify step's rule (greedy
 equality, or speculative sampling's accept-with-p(d)) keeps exact whatever it is. A request whose
 drafts are missing (first step after admission or preemption, a step that skipped the draft
@@ -58,9 +66,9 @@ from jax.sharding import PartitionSpec as P
 
 from splash_jax.attention.layouts import ShardedContext
 from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, split_step_buffer, unpack_step
-from splash_jax.executable_cache import compile_lowered
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
+from splash_jax.mtp import greedy_tokens, lm_head, mtp_layer_output
 
 log = logging.getLogger(__name__)
 
@@ -208,41 +216,49 @@ class MtpDraftRunner:
             m = mshape.replicated_spec().unpack(mrep)
             d = mshape.device_spec().unpack(mdev[0])
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
-            sampled = tokens[:rows]
+            norm, head, vocab = model.mtp[0].norm, lm_head(model), model.cfg.vocab_size
+            sampled = tokens[:rows]  # the tokens by row (entries past `rows` are not this program's)
             src = m["m_src"]
             nxt = jnp.where(src >= 0, sampled[jnp.clip(src, 0, rows - 1)], m["m_tokens"])
-            # 1. the MTP pass over the step's slots (absorbed attention even for an expanded chunk)
-            step = dataclasses.replace(batch, tokens=nxt, prefill_span=None)
-            logits, out, kv = model.mtp_forward(kv, step, hidden, ctx=ctx)
-            # 2. each verify chunk's accepted drafts, as speculative.accepted counts them
+            # 1. each verify chunk's accepted drafts, as speculative.accepted counts them: known
+            #    before the MTP pass, so its head runs at each chain row's last accepted row only
             i = jnp.arange(k, dtype=jnp.int32)
             idx = jnp.clip(m["c_row0"][:, None] + i[None], 0, rows - 1)
             match = (sampled[idx] == sampling.draft[idx]) & (i[None] < m["c_k"][:, None])
             a = jnp.cumprod(match.astype(jnp.int32), axis=1).sum(axis=1)  # [C]
-            last = jnp.clip(m["c_row0"] + a, 0, rows - 1)
-            token = jnp.argmax(logits[last], axis=-1).astype(jnp.int32)
-            h = out[last]
+            at = batch.logits_index[jnp.clip(m["c_row0"] + a, 0, rows - 1)]  # token slot of position s + a
+            # 2. the MTP pass over every token slot (its latents; absorbed attention even for an
+            #    expanded chunk), then the head at the C chain rows: draft 1
+            x, kv = mtp_layer_output(model, kv, dataclasses.replace(batch, tokens=nxt, prefill_span=None), hidden, ctx)
+            h = norm(x[at])
+            token = greedy_tokens(h, head, vocab, AXIS)
             drafts = [token]
-            # 3. the chain: one row per sampling chunk at positions s + a + j
+            if k == 1:
+                return token[:, None], kv
+            # 3. the chain: one row per chain row at positions s + a + j, j = 1..K-1. Everything
+            #    but the layer and the head (positions, rope rows, write pages, key lengths) depends
+            #    on `a` only: computed once for all chain steps, off the chain's dependent path.
             valid = m["c_valid"] > 0
             if owner_rows:
                 mine = jax.lax.axis_index(AXIS) * cq + jnp.arange(cq, dtype=jnp.int32)
             else:
                 mine = jnp.arange(cq, dtype=jnp.int32)
-            for j in range(1, k):
-                offset = a + j
-                pos = m["c_pos"] + offset
-                o = jnp.clip(offset[mine], 0, mshape.width - 1)[None, :, None]
-                write_page = jnp.take_along_axis(d["c_page"], jnp.broadcast_to(o, d["c_page"].shape[:2] + (1,)), axis=2)[..., 0]
-                kv_lens = jnp.take_along_axis(d["c_lens"], jnp.broadcast_to(o, d["c_lens"].shape[:2] + (1,)), axis=2)[..., 0]
-                write_page = jnp.where(valid[mine][None], write_page, DROPPED)
-                kv_lens = jnp.where(valid[mine][None], kv_lens, 0)
-                chain = StepInput(
-                    token, pos, jnp.arange(cq, dtype=jnp.int32), write_page, pos[mine] % page_size, kv_lens,
-                    batch.page_table, jnp.arange(rows, dtype=jnp.int32), None, valid,
-                )
-                logits, h, kv = model.mtp_forward(kv, chain, h, ctx=ctx)
-                token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            offset = a[None] + jnp.arange(1, k, dtype=jnp.int32)[:, None]  # [K-1, C]
+            pos = m["c_pos"][None] + offset
+            cos_sin = model.rope_cos_sin(pos.reshape(-1)).reshape(k - 1, rows, -1)
+            o = jnp.clip(offset[:, mine], 0, mshape.width - 1).T  # [cq, K-1]
+            o = jnp.broadcast_to(o[None], d["c_page"].shape[:2] + (k - 1,))
+            held = valid[mine][None, :, None]
+            write_page = jnp.where(held, jnp.take_along_axis(d["c_page"], o, axis=2), DROPPED)  # [G, cq, K-1]
+            kv_lens = jnp.where(held, jnp.take_along_axis(d["c_lens"], o, axis=2), 0)
+            write_offset = pos[:, mine] % page_size
+            local_rows, every_row = jnp.arange(cq, dtype=jnp.int32), jnp.arange(rows, dtype=jnp.int32)
+            for j in range(k - 1):  # unrolled: see the module docstring
+                chain = StepInput(token, pos[j], local_rows, write_page[..., j], write_offset[j], kv_lens[..., j],
+                                  batch.page_table, every_row, None, valid)
+                x, kv = mtp_layer_output(model, kv, chain, h, ctx, cos_sin=cos_sin[j])
+                h = norm(x)
+                token = greedy_tokens(h, head, vocab, AXIS)
                 drafts.append(token)
             return jnp.stack(drafts, axis=1), kv
 
@@ -265,12 +281,18 @@ class MtpDraftRunner:
         args = (
             ex.param_abstract(layout), ex.kv_abstract(layout),
             jax.ShapeDtypeStruct((shape.total_tokens, hidden_size), self.hidden_dtype, sharding=rep_sharding),
-            jax.ShapeDtypeStruct((ex.max_rows,), jnp.int32, sharding=rep_sharding),
+            jax.ShapeDtypeStruct(ex.prev_tokens.shape, jnp.int32, sharding=rep_sharding),  # by row, then more
             ex.step_input_abstract(shape),
             jax.ShapeDtypeStruct((mshape.replicated_spec().size,), jnp.int32, sharding=rep_sharding),
             jax.ShapeDtypeStruct((ex.n, mshape.device_spec().size), jnp.int32, sharding=dev_sharding),
         )
         return fn.lower(*args)
+
+    def _compile(self, layout: Layout, bucket, expanded: bool):
+        """With the step programs' XLA options (executor.compiler_options; none on CPU): on GPUs a
+        CUDA graph that keeps only data dependencies, so the chain's small independent kernels
+        run side by side, cuBLAS GEMMs and no rematerialization pass, as every step program."""
+        return self.ex._compile(self.lower(layout, bucket, expanded))
 
     def _hidden_size(self) -> int:
         for path, x in zip(self.ex.paths, self.ex.params):
@@ -289,7 +311,7 @@ class MtpDraftRunner:
         todo = [key for key in self.keys(layouts) if (key[0].name, *key[1:]) not in self._compiled]
         with self.ex.compile_stats.track("mtp_drafts") as rec:
             for lay, b, e in todo:
-                self._compiled[(lay.name, b, e)] = compile_lowered(self.lower(lay, b, e), None, self.ex.device_key)
+                self._compiled[(lay.name, b, e)] = self._compile(lay, b, e)
             rec["programs"] = len(todo)
         self.ex.num_compiled += len(todo)
         self.ex.compile_seconds += rec["seconds"]
@@ -301,7 +323,7 @@ class MtpDraftRunner:
         key = (layout.name, bucket, expanded)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up
-            program = self._compiled[key] = compile_lowered(self.lower(layout, bucket, expanded), None, self.ex.device_key)
+            program = self._compiled[key] = self._compile(layout, bucket, expanded)
             self.ex.num_compiled += 1
         return program
 
