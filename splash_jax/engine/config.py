@@ -94,9 +94,9 @@ class EngineConfig:
     # distribution. Steps then run without overlap (drafting needs every token on the host).
     speculative_method: str = "off"
     speculative_tokens: int = 3  # K: drafts verified per request per step
-    # Drafts per request per step from 0 to --speculative-tokens, chosen each step from each
-    # request's measured acceptance and the engine's measured step costs so that the expected
-    # tokens per second is highest (engine/draft_budget.py); off: K drafts whenever they fit.
+    # Drafts per request per step from 0 to --speculative-tokens: the cap whose steps the engine
+    # measured making the most tokens per second, none for requests whose drafts are rarely kept
+    # (engine/draft_budget.py); off: K drafts whenever they fit.
     speculative_adaptive: bool = True
     speculative_ngram_min: int = 1  # ngram: shortest suffix n-gram matched
     speculative_ngram_max: int = 4  # ngram: longest suffix n-gram matched (tried first)

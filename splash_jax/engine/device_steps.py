@@ -126,9 +126,10 @@ class DeviceSteps:
         for c in chunks:
             if c.request.metrics.first_scheduled is None:
                 c.request.metrics.first_scheduled = now
+        level = self.draft_budget.level if self.draft_budget is not None else -1
         if constrained:
-            return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode)
-        return InFlight(chunks, packed.rows, out, want, packed.prompt_rows)
+            return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode, draft_level=level)
+        return InFlight(chunks, packed.rows, out, want, packed.prompt_rows, draft_level=level)
 
     def _sample_deferred(self, step: InFlight) -> None:
         """Dispatch the sampler program of a step whose forward pass went ahead of its grammar
@@ -163,8 +164,6 @@ class DeviceSteps:
             return []
         self.num_steps += 1
         record = self.timeline.completed(time.perf_counter(), step.chunks, back_to_back)
-        if record is not None and not record.prefill_tokens and self.draft_budget is not None:
-            self.draft_budget.observe(sum(c.num_tokens for c in step.chunks), record.interval_s)
         now = time.monotonic()
         for i, first, count in step.prompt_rows:
             collect_prompt_logprobs(step.chunks[i].request, logprobs, first, count)
@@ -184,7 +183,10 @@ class DeviceSteps:
                 out.finish_reason, out.stop_token, out.stop_reason, out.error = (
                     update.finish_reason, update.stop_token, r.stop_reason if isinstance(r.stop_reason, int) else None, r.error)
                 self._requests.pop(r.request_id, None)
-        self._recent.append((now, sum(len(o.new_token_ids) for o in outputs.values())))
+        made = sum(len(o.new_token_ids) for o in outputs.values())
+        self._recent.append((now, made))
+        if record is not None and not record.prefill_tokens and self.draft_budget is not None and step.draft_level >= 0:
+            self.draft_budget.observe(step.draft_level, made, record.interval_s)
         if self.mtp is not None:
             self._record_drafts(step)
         return list(outputs.values())

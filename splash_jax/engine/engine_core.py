@@ -435,15 +435,8 @@ class EngineCore(DeviceSteps):
         if c.speculative_k and c.speculative_adaptive:
             from splash_jax.engine.draft_budget import DraftBudget
 
-            self.draft_budget = DraftBudget(self._bucket_tokens)
+            self.draft_budget = DraftBudget(c.speculative_k)
         self.scheduler.set_speculation(self._drafter(), c.speculative_k, self.draft_budget)
-
-    def _bucket_tokens(self, tokens: int) -> int:
-        """The token bucket a decode step of `tokens` tokens runs in (owner layouts: per device,
-        as if spread evenly); ValueError beyond the largest."""
-        if self.layout.owner_rows:
-            tokens = -(-tokens // self.n)
-        return self.executor.pick(tokens, 1).tokens
 
     def set_overlap(self, enabled: bool) -> list[CoreOutput]:
         """Switch overlapped scheduling on or off between steps (returns the flushed outputs)."""

@@ -29,6 +29,7 @@ class InFlight:
     logits: StepLogits | None = None
     mode: SamplerMode = FULL_MODE
     mask: np.ndarray | concurrent.futures.Future | None = None  # its grammar masks, or their fill in progress
+    draft_level: int = -1  # the draft budget's level it was scheduled at (engine/draft_budget.py; -1: none)
 
 
 class GrammarMasks:
