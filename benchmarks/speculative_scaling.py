@@ -10,7 +10,8 @@ For each batch: B requests of `context` random prompt tokens (distinct per reque
 ignore_eos, `max_tokens` output tokens; `--seed` (the engine's) also seeds the prompts and the
 drafter's decisions. Speculation off runs first (overlapped scheduling, the
 engine's default): its outputs are the recorded continuations the drafter replays and its time
-the baseline. Then, for each acceptance p and each K, the same requests with the drafter. Prompts
+the baseline. Then, for each acceptance p and each K, the same requests with the drafter (adaptive
+K: after one unmeasured run that trains the engine's draft budget, as a server's has been). Prompts
 are prefilled once before the runs (a short warm-up run), so the prefix cache serves them to every
 measured run; `tok_per_s` is the decode phase (from the step where every request has its first
 token to the end), `e2e_tok_per_s` all of it. With K drafts per step the engine's acceptance rate
@@ -193,6 +194,8 @@ def main(argv=None):
                 for k in ks:
                     drafter = SetAcceptanceDrafter(recorded, p, seed=config.seed, vocab_size=vocab)
                     engine.set_speculative("custom", k, drafter=drafter)
+                    if mode == "adaptive":  # a server's draft budget has measured its levels long before:
+                        run(engine, prompts, bench.max_tokens)  # this run trains it (its first steps try each level)
                     r = run(engine, prompts, bench.max_tokens)
                     spec = engine.stats()["speculative"] or {}
                     prof = profile(engine, prompts, bench.profile_steps) if bench.profile_steps else {}
