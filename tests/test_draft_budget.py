@@ -15,10 +15,11 @@ from splash_jax.weights.loader import load_model
 def test_each_level_is_measured_then_the_fastest_runs_with_a_neighbour_tried_now_and_then():
     b = DraftBudget(3)
     seen = []
-    for _ in range(4 * EXPLORE_STEPS):  # K first, then off, then the others
+    n = EXPLORE_STEPS + 1  # (the first step at a level is not counted: the one before is still in flight)
+    for _ in range(4 * n):  # K first, then off, then the others
         seen.append(b.choose([0.9], [3])[0])
         b.observe(b.level, {0: 10, 1: 18, 2: 24, 3: 21}[b.level], 1.0)
-    assert seen == [3] * EXPLORE_STEPS + [0] * EXPLORE_STEPS + [1] * EXPLORE_STEPS + [2] * EXPLORE_STEPS
+    assert seen == [3] * n + [0] * n + [1] * n + [2] * n
     levels = []
     for _ in range(3 * EXPLORE_EVERY):
         levels.append(b.choose([0.9], [3])[0])
@@ -30,7 +31,7 @@ def test_each_level_is_measured_then_the_fastest_runs_with_a_neighbour_tried_now
 
 def test_drafts_stay_off_when_steps_without_them_make_more_tokens():
     b = DraftBudget(3)
-    for _ in range(4 * EXPLORE_STEPS + 2 * EXPLORE_EVERY):
+    for _ in range(4 * (EXPLORE_STEPS + 1) + 2 * EXPLORE_EVERY):
         b.choose([0.5, 0.5], [3, 3])
         b.observe(b.level, 20, 1.0 + 0.2 * b.level)  # drafts add cost and no tokens
     assert b.summary()["level"] == 0

@@ -27,7 +27,7 @@ PRIOR_KEPT, PRIOR_MISSED = 1.0, 1.0  # a new request starts at alpha = 0.5
 DECAY = 0.98  # per verify chunk: a request's older drafts count less (its text changes)
 MIN_ALPHA = 0.12  # a request whose drafts are kept less often than this drafts none
 RATE_WEIGHT = 0.1  # moving-average weight of a new step's tokens per second
-EXPLORE_EVERY, EXPLORE_STEPS = 48, 4  # a neighbouring level runs this many steps this often
+EXPLORE_EVERY, EXPLORE_STEPS = 48, 5  # a neighbouring level runs this many steps this often
 
 
 @dataclasses.dataclass
@@ -58,14 +58,18 @@ class DraftBudget:
         self._step = 0
         self._exploring = 0  # steps left at an explored level
         self._explore_up = False
+        self._observed = -1  # the level of the last step observed
         self.steps = 0  # steps it chose for
         self.drafts = 0  # draft caps it gave over those steps
         self.requests = 0  # decoding requests over those steps
         self.steps_without = 0  # steps at level 0
 
     def observe(self, level: int, tokens: int, seconds: float) -> None:
-        """A decode-only step chosen at `level` output `tokens` tokens in `seconds`."""
-        if seconds <= 0:
+        """A decode-only step chosen at `level` output `tokens` tokens in `seconds`. The first step
+        at a new level is left out: its interval and tokens still carry the previous level's
+        steps in flight (an ahead chunk, the overlapped host work)."""
+        previous, self._observed = self._observed, level
+        if seconds <= 0 or level != previous:
             return
         r, old = tokens / seconds, self.rate.get(level)
         self.rate[level] = r if old is None else old + RATE_WEIGHT * (r - old)
