@@ -27,6 +27,7 @@ PRIOR_KEPT, PRIOR_MISSED = 1.0, 1.0  # a new request starts at alpha = 0.5
 DECAY = 0.98  # per verify chunk: a request's older drafts count less (its text changes)
 MIN_ALPHA = 0.12  # a request whose drafts are kept less often than this drafts none
 RATE_WEIGHT = 0.1  # moving-average weight of a new step's tokens per second
+OFF_MARGIN = 0.05  # a level with drafts runs only if its rate beats level 0's by this much
 EXPLORE_EVERY, EXPLORE_STEPS = 48, 5  # a neighbouring level runs this many steps this often
 
 
@@ -82,7 +83,10 @@ class DraftBudget:
         if self._exploring:
             self._exploring -= 1
             return self.level
-        self._best = max(self.rate, key=self.rate.get)
+        best = max(self.rate, key=self.rate.get)
+        # drafts must beat no drafts by more than the noise of a few steps' rates: when they are
+        # about even, off costs nothing (no verify rows, no drafting) and never loses
+        self._best = best if self.rate[best] > (1 + OFF_MARGIN) * self.rate.get(0, 0.0) else 0
         self._step += 1
         if self._step % EXPLORE_EVERY == 0 and self.max_k:
             self._explore_up = not self._explore_up
