@@ -137,13 +137,19 @@ def main(argv=None):
     dtype = str(base_engine.page_dtype)
     write_results("speculative", {"config": dataclasses.asdict(bench), "dtype": dtype, "engine": {
         k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows})
-    if any(r["identical"] is False for r in rows):
-        # In float32 a difference is a bug. In bfloat16 a verify step's other shapes round differently,
-        # and a near-tie can flip a greedy token, as changing the batch does (the K = 0 rows show it).
-        message = "a speculative run's tokens differ from decoding one token per step"
-        if "float32" in dtype:
-            raise SystemExit(message)
-        log.warning("%s (%s: compare the K = 0 rows, where only the batch changed)", message, dtype)
+    check_identical(any(r["identical"] is False for r in rows), dtype, "compare the K = 0 rows, where only the batch changed")
+
+
+def check_identical(differ: bool, dtype: str, hint: str) -> None:
+    """In float32 a speculative output that differs from decoding one token per step is a bug
+    (exit); in bfloat16 a verify step's other shapes round differently and a near-tie can flip a
+    greedy token, as changing the batch does (a warning)."""
+    if not differ:
+        return
+    message = "a speculative run's tokens differ from decoding one token per step"
+    if "float32" in dtype:
+        raise SystemExit(message)
+    log.warning("%s (%s: %s)", message, dtype, hint)
 
 
 if __name__ == "__main__":

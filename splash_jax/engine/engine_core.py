@@ -33,11 +33,12 @@ from splash_jax.engine.engine_stats import engine_stats
 from splash_jax.engine.inflight import GrammarMasks, InFlight
 from splash_jax.engine.core_output import CoreOutput
 from splash_jax.engine.device_steps import DeviceSteps
+from splash_jax.engine.speculation_control import SpeculationControl
 from splash_jax.engine.request import Request, RequestError, SamplingLimits
 from splash_jax.engine.sampler import SamplerWidths
 from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.scheduler import Scheduler
-from splash_jax.engine.speculative import MtpDrafter, NgramDrafter
+from splash_jax.engine.speculative import MtpDrafter
 from splash_jax.engine.step_packer import SlotSampling
 from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.engine.warmup import run_every_program_once
@@ -70,7 +71,7 @@ def enable_compilation_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-class EngineCore(DeviceSteps):
+class EngineCore(DeviceSteps, SpeculationControl):
     """Schedules, dispatches steps, applies tokens, advances grammars, runs switches: nothing
     per request that can run elsewhere. step() returns token-level CoreOutputs."""
 
@@ -348,23 +349,6 @@ class EngineCore(DeviceSteps):
         """Whether steps overlap: asked for, and speculation off or overlappable (speculates_ahead)."""
         return self.config.overlap_scheduling and (not self.config.speculative_k or self.speculates_ahead)
 
-    @property
-    def speculates_ahead(self) -> bool:
-        """Whether speculative steps overlap: a drafter that proposes behind a token still on the
-        device (propose_after: n-gram, custom; MTP drafts need the step's hidden states) and step
-        programs with a variant per count of drafts a step may keep (StepShape.variants)."""
-        c = self.config
-        return (c.speculative_k > 0 and c.speculative_k < self.executor.spec_variants
-                and hasattr(self.scheduler.drafter, "propose_after"))
-
-    def _set_drafting(self) -> None:
-        """Overlapped speculation pauses while a layout switch runs: its plans copy the pages of
-        verified tokens, which an ahead chunk's host state does not name yet."""
-        ahead = self.overlapped and self.speculates_ahead
-        switching = self.switcher is not None and self.switcher.active is not None
-        self.scheduler.speculate_ahead = ahead and not switching
-        self.scheduler.drafting_paused = ahead and switching
-
     def _consult_policy(self) -> None:
         """Let the layout policy start a switch (none in progress, its interval or an arrival due)."""
         if self.policy and self.switcher.active is None and self.policy.due(self.num_steps):
@@ -382,61 +366,6 @@ class EngineCore(DeviceSteps):
         done, self._inflight = self._inflight, None
         self._completed_last_call = False
         return (self._complete(done, back_to_back=False) if done is not None else []) + self._failed_now()
-
-    def _drafter(self):
-        c = self.config
-        if not c.speculative_k:
-            return None
-        if c.speculative_method == "mtp":
-            return self.mtp_drafter
-        if c.speculative_method == "custom":
-            return self._custom_drafter
-        return NgramDrafter(c.speculative_ngram_min, c.speculative_ngram_max)
-
-    @property
-    def _mtp_drafting(self) -> bool:
-        return self.mtp is not None and self.config.speculative_method == "mtp"
-
-    def set_speculative(self, method: str, num_tokens: int | None = None, drafter=None) -> list[CoreOutput]:
-        """Turn speculative decoding on ("ngram") or off ("off"), or change K, between steps
-        (returns the flushed outputs; the counters start again). Drafts use the logits rows the
-        engine was built with: max_num_seqs x (1 + K) when it started with speculation on, else
-        max_num_seqs, so a batch that fills the rows verifies fewer drafts. Nothing compiles.
-        drafter: a drafter object of the library's (speculative.NgramDrafter's methods), used with
-        method "custom" (benchmarks: set_acceptance.SetAcceptanceDrafter)."""
-        if (method == "custom") != (drafter is not None):
-            raise ValueError('a drafter object goes with method "custom" (and "custom" needs one)')
-        outputs = self._flush()
-        previous = (self.config.speculative_method, self.config.speculative_tokens, self._custom_drafter)
-        self._custom_drafter = drafter
-        self.config.speculative_method = method
-        if num_tokens is not None:
-            self.config.speculative_tokens = num_tokens
-        try:
-            self.config.validate()
-            if method == "mtp" and self.mtp is None:
-                raise ValueError("MTP drafts need the engine started with --speculative-method mtp "
-                                 "(the MTP layer and its draft programs are built at start-up)")
-            if method == "mtp" and self.config.speculative_tokens > self.mtp.k:
-                raise ValueError(f"this engine's MTP draft programs chain {self.mtp.k} drafts; "
-                                 f"--speculative-tokens {self.config.speculative_tokens} needs a restart")
-        except ValueError:
-            self.config.speculative_method, self.config.speculative_tokens, self._custom_drafter = previous
-            raise
-        if self.mtp_drafter is not None:
-            self.mtp_drafter.forget()
-        self._set_speculation()
-        return outputs
-
-    def _set_speculation(self) -> None:
-        """The scheduler's drafter, K and draft budget from the config (counters start again)."""
-        c = self.config
-        self.draft_budget = None
-        if c.speculative_k and c.speculative_adaptive:
-            from splash_jax.engine.draft_budget import DraftBudget
-
-            self.draft_budget = DraftBudget(c.speculative_k)
-        self.scheduler.set_speculation(self._drafter(), c.speculative_k, self.draft_budget)
 
     def set_overlap(self, enabled: bool) -> list[CoreOutput]:
         """Switch overlapped scheduling on or off between steps (returns the flushed outputs)."""

@@ -1,0 +1,86 @@
+"""Speculative decoding's controls on the engine core: which drafter and K the scheduler uses, the
+draft budget, whether speculative steps overlap, and `set_speculative` to change them between
+steps. `SpeculationControl` is a part of EngineCore (engine/engine_core.py), which owns the state
+used here (config, scheduler, executor, MTP drafter)."""
+
+from __future__ import annotations
+
+from splash_jax.engine.core_output import CoreOutput
+from splash_jax.engine.speculative import NgramDrafter
+
+
+class SpeculationControl:
+    """Speculation settings of EngineCore (see the module docstring)."""
+
+    @property
+    def speculates_ahead(self) -> bool:
+        """Whether speculative steps overlap: a drafter that proposes behind a token still on the
+        device (propose_after: n-gram, custom; MTP drafts need the step's hidden states) and step
+        programs with a variant per count of drafts a step may keep (StepShape.variants)."""
+        c = self.config
+        return (c.speculative_k > 0 and c.speculative_k < self.executor.spec_variants
+                and hasattr(self.scheduler.drafter, "propose_after"))
+
+    def _set_drafting(self) -> None:
+        """Overlapped speculation pauses while a layout switch runs: its plans copy the pages of
+        verified tokens, which an ahead chunk's host state does not name yet."""
+        ahead = self.overlapped and self.speculates_ahead
+        switching = self.switcher is not None and self.switcher.active is not None
+        self.scheduler.speculate_ahead = ahead and not switching
+        self.scheduler.drafting_paused = ahead and switching
+
+    def _drafter(self):
+        c = self.config
+        if not c.speculative_k:
+            return None
+        if c.speculative_method == "mtp":
+            return self.mtp_drafter
+        if c.speculative_method == "custom":
+            return self._custom_drafter
+        return NgramDrafter(c.speculative_ngram_min, c.speculative_ngram_max)
+
+    @property
+    def _mtp_drafting(self) -> bool:
+        return self.mtp is not None and self.config.speculative_method == "mtp"
+
+    def set_speculative(self, method: str, num_tokens: int | None = None, drafter=None) -> list[CoreOutput]:
+        """Turn speculative decoding on ("ngram") or off ("off"), or change K, between steps
+        (returns the flushed outputs; the counters start again). Drafts use the logits rows the
+        engine was built with: max_num_seqs x (1 + K) when it started with speculation on, else
+        max_num_seqs, so a batch that fills the rows verifies fewer drafts. Nothing compiles.
+        drafter: a drafter object of the library's (speculative.NgramDrafter's methods), used with
+        method "custom" (benchmarks: set_acceptance.SetAcceptanceDrafter)."""
+        if (method == "custom") != (drafter is not None):
+            raise ValueError('a drafter object goes with method "custom" (and "custom" needs one)')
+        outputs = self._flush()
+        previous = (self.config.speculative_method, self.config.speculative_tokens, self._custom_drafter)
+        self._custom_drafter = drafter
+        self.config.speculative_method = method
+        if num_tokens is not None:
+            self.config.speculative_tokens = num_tokens
+        try:
+            self.config.validate()
+            if method == "mtp" and self.mtp is None:
+                raise ValueError("MTP drafts need the engine started with --speculative-method mtp "
+                                 "(the MTP layer and its draft programs are built at start-up)")
+            if method == "mtp" and self.config.speculative_tokens > self.mtp.k:
+                raise ValueError(f"this engine's MTP draft programs chain {self.mtp.k} drafts; "
+                                 f"--speculative-tokens {self.config.speculative_tokens} needs a restart")
+        except ValueError:
+            self.config.speculative_method, self.config.speculative_tokens, self._custom_drafter = previous
+            raise
+        if self.mtp_drafter is not None:
+            self.mtp_drafter.forget()
+        self._set_speculation()
+        return outputs
+
+    def _set_speculation(self) -> None:
+        """The scheduler's drafter, K and draft budget from the config (counters start again)."""
+        c = self.config
+        self.draft_budget = None
+        if c.speculative_k and c.speculative_adaptive:
+            from splash_jax.engine.draft_budget import DraftBudget
+
+            self.draft_budget = DraftBudget(c.speculative_k)
+        self.scheduler.set_speculation(self._drafter(), c.speculative_k, self.draft_budget)
+
