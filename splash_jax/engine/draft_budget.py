@@ -96,7 +96,7 @@ class DraftBudget:
                 return up
         return self._best
 
-    def choose(self, alphas: list[float], limits: list[int], tokens: int = 0) -> list[int]:
+    def choose(self, alphas: list[float], limits: list[int]) -> list[int]:
         """Drafts per request this step (parallel to alphas: its acceptance, limits: at most this
         many); `self.level` is the level chosen (the engine reports the step's tokens for it)."""
         self.level = level = self._pick()

@@ -262,6 +262,7 @@ class StepExecutor(SamplerPrograms):
         ctx = ShardedContext(layout, self.n, self.impl)
         graphdef, treedef, max_rows = self.graphdef, self.treedef, self.max_rows
         hidden_out = self.mtp_hidden
+        spec = bool(self.spec_variants)  # accepted counts only where ahead chunks read them
 
         def per_device(params, kv, penalties, prev_tokens, buf, *rest):
             mask = rest[0] if fused else None
@@ -286,7 +287,7 @@ class StepExecutor(SamplerPrograms):
                 out = sample(logits, sampling, penalties, full=True, mode=mode, mask=mask)
             else:
                 out = sample(logits, sampling, None, full=False)
-            tokens = token_vector(out.tokens, sampling.draft, max_rows)
+            tokens = token_vector(out.tokens, sampling.draft if spec else None, max_rows)
             return (StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties) + extra
 
         param_specs_ = tuple(layout.param_spec(p) for p in self.paths)

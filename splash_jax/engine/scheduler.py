@@ -215,7 +215,7 @@ class Scheduler(Admission, SpeculativeScheduling):
         prefilling = [r for r in todo if r.num_tokens - r.num_computed > 1]
         if self.speculate_ahead:  # behind a verify chunk still on the device (scheduled as decodes)
             decoding += [r for r in self.running if self._goes_ahead(r)]
-        drafts = self._propose(decoding, min(budget, rows), len(decoding))
+        drafts = self._propose(decoding, min(budget, rows))
         order = self.prefill_order  # engine/prefill_order.py: prefill work in order, its cap beside decodes
         budget = order.prefill_budget(budget, len(decoding) + sum(
             len(d[0]) if r.awaits_verify else len(d) for r in decoding if (d := drafts.get(id(r)))))
@@ -425,4 +425,3 @@ class Scheduler(Admission, SpeculativeScheduling):
         if reason is not None:
             self.finish(request, reason)
         return TokenUpdate(request, token, row, reason, stop_token and reason == "stop")
-

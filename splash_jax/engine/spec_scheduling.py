@@ -3,8 +3,9 @@ ahead chunks of overlapped speculation, and what a verify chunk's result moves.
 
 Drafts go only into logits rows left over once every decoding request has its own row, so
 speculation never delays another request. With a DraftBudget (engine/draft_budget.py) the count
-per request is the one that makes the most tokens per second from measured acceptance and step
-costs; without one every request that can speculate takes up to K.
+per request is capped by the level whose steps the engine measured making the most tokens per
+second (none for requests whose drafts are rarely kept); without one every request that can
+speculate takes up to K.
 
 Overlapped speculation (`speculate_ahead`, set by the engine each step): the next step is
 scheduled while this one is on the device, as for plain decoding. A request whose last step
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from splash_jax.engine.draft_budget import Acceptance, DraftBudget
+from splash_jax.engine.draft_budget import DraftBudget
 from splash_jax.engine.request import Request, Status
 from splash_jax.engine.speculative import SpeculativeStats, can_speculate, max_drafts, propose_ahead
 
@@ -30,7 +31,7 @@ class SpeculativeScheduling:
 
     def set_speculation(self, drafter, num_tokens: int, budget: DraftBudget | None = None) -> None:
         """drafter.propose(request, k) -> up to k draft token ids (None or num_tokens 0: off);
-        budget: drafts per request from measured costs (None: K each); the counters start again."""
+        budget: draft caps from measured tokens per second (None: K each); the counters start again."""
         self.drafter = drafter if num_tokens else None
         self.num_speculative_tokens = num_tokens if drafter is not None else 0
         # positions past a sampling chunk whose latents the drafter's device work writes (MTP's chain)
@@ -62,10 +63,9 @@ class SpeculativeScheduling:
             return max(0, min(k, self.max_model_len - behind.end - 1, r.params.max_tokens - r.num_generated - 1))
         return max_drafts(r, k, self.max_model_len)
 
-    def _propose(self, decoding: list[Request], room: int, tokens: int) -> dict[int, tuple]:
+    def _propose(self, decoding: list[Request], room: int) -> dict[int, tuple]:
         """Drafts per decoding request (by id) within the `room` rows left once each decoding
-        request has its own, in decode order; `tokens`: the step's tokens so far (for the draft
-        budget's cost). An ahead request (awaits_verify) gets a tuple of variants
+        request has its own, in decode order. An ahead request (awaits_verify) gets a tuple of variants
         (speculative.propose_ahead), possibly of no drafts."""
         if self.drafter is None or self.drafting_paused:
             return {}
@@ -76,7 +76,7 @@ class SpeculativeScheduling:
             # so a K that followed the batch would make its output depend on the batch
             fixed = [r.params.seed is not None and r.params.temperature > 0 for r in decoding]
             chosen = self.draft_budget.choose([r.acceptance.alpha for r in decoding],
-                                              [0 if f else k for f, k in zip(fixed, limits)], tokens)
+                                              [0 if f else k for f, k in zip(fixed, limits)])
             limits = [k if f else c for f, k, c in zip(fixed, limits, chosen)]
         out = {}
         for r, k in zip(decoding, limits):

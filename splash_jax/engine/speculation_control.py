@@ -24,7 +24,7 @@ class SpeculationControl:
     def _set_drafting(self) -> None:
         """Overlapped speculation pauses while a layout switch runs: its plans copy the pages of
         verified tokens, which an ahead chunk's host state does not name yet."""
-        ahead = self.overlapped and self.speculates_ahead
+        ahead = self.overlapped  # (with K > 0: only when speculates_ahead)
         switching = self.switcher is not None and self.switcher.active is not None
         self.scheduler.speculate_ahead = ahead and not switching
         self.scheduler.drafting_paused = ahead and switching

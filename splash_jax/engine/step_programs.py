@@ -151,7 +151,8 @@ def accepted_counts(draft: jax.Array, tokens: jax.Array) -> jax.Array:
 def token_vector(tokens: jax.Array, draft: jax.Array | None, max_rows: int) -> jax.Array:
     """A step's sampled tokens as the [2 * max_rows] vector the next step reads (prev_tokens):
     the tokens by row, then accepted_counts by row, so a step scheduled before this one's
-    tokens reach the host can start where its verify chunks ended (step_packer.unpack_step)."""
+    tokens reach the host can start where its verify chunks ended (step_packer.unpack_step).
+    draft None (engines without ahead chunks): the counts stay 0, and the program computes none."""
     rows = tokens.shape[0]
     out = jnp.zeros(2 * max_rows, jnp.int32).at[:rows].set(tokens)
     if draft is not None:
