@@ -15,7 +15,11 @@ Workloads (greedy, held-out Python standard library files the bundled model neve
          does not copy code it saw once, so `copy` measures few accepted drafts with it)
 Each (workload, batch, K) runs the same requests to completion; K = 0 is speculation off with
 overlapped scheduling (the engine's default). Every speculative run's tokens are checked equal
-to K = 0's. Writes JSON to benchmarks/results/.
+to K = 0's. A cell is --repeats pairs of runs, speculation off then on, back to back; its
+speedup is the median of the pairs' ratios (a short run on a small model moves by 30% from run
+to run, and drift between pairs cancels). With --speculative-adaptive (the default) each
+speculative run follows an unmeasured one of the same requests that trains the engine's draft
+budget, as a server's has been trained long before. Writes JSON to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import logging
 import sysconfig
 import time
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks.common import parse_engine_and_bench, table, write_results
 from splash_jax.engine import Engine, SamplingParams
@@ -41,6 +47,7 @@ class SpecBench:
     workloads: str = "copy,fresh,repeat"
     max_tokens: int = 128
     prompt_chars: int = 1200  # characters of each file's opening
+    repeats: int = 3  # (off, on) pairs per cell; the speedup is their median ratio
 
 
 def held_out_files(count: int) -> list[str]:
@@ -86,10 +93,26 @@ def run(engine: Engine, texts: list[str], max_tokens: int) -> tuple[float, list]
 
 
 def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int) -> tuple[float, list, dict]:
+    """One timed run (after an unmeasured one when an adaptive draft budget has to learn)."""
     engine.set_speculative(method if k else "off", k or None)
+    if k and engine.config.speculative_adaptive:
+        engine.reset_prefix_cache()
+        run(engine, texts, max_tokens)  # trains the budget (its first steps try each level)
     engine.reset_prefix_cache()  # every run prefills its prompts
     seconds, outs = run(engine, texts, max_tokens)
     return seconds, outs, engine.stats()["speculative"] or {}
+
+
+def cell(engine: Engine, base_engine: Engine, method: str, k: int, texts: list[str], bench: SpecBench):
+    """--repeats pairs (off, then this method at K): (median ratio, median seconds, outputs, stats,
+    off seconds per pair, on seconds per pair)."""
+    offs, ons, outs, spec = [], [], None, {}
+    for _ in range(bench.repeats):
+        offs.append(measure(base_engine, "off", 0, texts, bench.max_tokens)[0])
+        seconds, outs, spec = measure(engine, method, k, texts, bench.max_tokens)
+        ons.append(seconds)
+    ratio = float(np.median([a / b for a, b in zip(offs, ons)]))
+    return ratio, float(np.median(ons)), outs, spec, offs, ons
 
 
 def main(argv=None):
@@ -115,25 +138,28 @@ def main(argv=None):
             # the noise floor: one token per step, only the batch around these prompts changed
             differ, first_diff = divergence(base, first_base) if first_base is not None else (None, None)
             first_base = first_base if first_base is not None else base
-            runs = [("off", 0, base_s, base, {}, differ, first_diff)]
+            runs = [("off", 0, 1.0, base_s, base, {}, differ, first_diff, [base_s], [])]
             for method in methods:
                 for k in (k for k in drafts if k):
-                    seconds, outs, spec = measure(engines[method], method, k, texts, bench.max_tokens)
-                    runs.append((method, k, seconds, outs, spec, *divergence(outs, base)))
-            for method, k, seconds, outs, spec, differ, first_diff in runs:
+                    ratio, seconds, outs, spec, offs, ons = cell(engines[method], base_engine, method, k, texts, bench)
+                    runs.append((method, k, ratio, seconds, outs, spec, *divergence(outs, base), offs, ons))
+            for method, k, ratio, seconds, outs, spec, differ, first_diff, offs, ons in runs:
                 tokens = sum(len(o.token_ids) for o in outs)
+                adaptive = spec.get("adaptive") or {}
                 rows.append({
                     "workload": workload, "batch": batch, "method": method, "K": k, "tok_per_s": tokens / seconds,
-                    "speedup": base_s / seconds, "tokens": tokens,
+                    "speedup": ratio, "tokens": tokens,
                     "acceptance": spec.get("acceptance_rate"), "accepted_per_step": spec.get("mean_accepted_per_step"),
                     "histogram": spec.get("accepted_histogram"),
+                    "mean_k": adaptive.get("mean_k"), "budget": adaptive or None,
+                    "off_seconds": offs, "on_seconds": ons,
                     "identical": None if k == 0 else differ == 0,
                     # K > 0: against K = 0 in this batch; K = 0: against K = 0 at the first batch
                     "requests_differing": differ, "first_difference_at": first_diff,
                 })
-                log.info("%s batch %d %s K=%d: %.1f tok/s", workload, batch, method, k, tokens / seconds)
+                log.info("%s batch %d %s K=%d: %.1f tok/s, %.3fx", workload, batch, method, k, tokens / seconds, ratio)
     print(table(rows, ["workload", "batch", "method", "K", "tok_per_s", "speedup", "acceptance", "accepted_per_step",
-                       "requests_differing", "first_difference_at"]))
+                       "mean_k", "requests_differing", "first_difference_at"]))
     dtype = str(base_engine.page_dtype)
     write_results("speculative", {"config": dataclasses.asdict(bench), "dtype": dtype, "engine": {
         k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows})

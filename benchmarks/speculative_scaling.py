@@ -11,7 +11,9 @@ ignore_eos, `max_tokens` output tokens; `--seed` (the engine's) also seeds the p
 drafter's decisions. Speculation off runs first (overlapped scheduling, the
 engine's default): its outputs are the recorded continuations the drafter replays and its time
 the baseline. Then, for each acceptance p and each K, the same requests with the drafter (adaptive
-K: after one unmeasured run that trains the engine's draft budget, as a server's has been). Prompts
+K: after one unmeasured run that trains the engine's draft budget, as a server's has been), in
+--repeats pairs (off, on) run back to back; a cell's speedup is the median of its pairs' ratios
+(run to run a cell moved by up to 25% at batch 128, and drift between pairs cancels). Prompts
 are prefilled once before the runs (a short warm-up run), so the prefix cache serves them to every
 measured run; `tok_per_s` is the decode phase (from the step where every request has its first
 token to the end), `e2e_tok_per_s` all of it. With K drafts per step the engine's acceptance rate
@@ -49,6 +51,7 @@ class ScalingBench:
     context: int = 1024  # prompt tokens per request
     max_tokens: int = 128  # output tokens per request
     modes: str = "adaptive,fixed"  # adaptive: the engine picks K per step (--speculative-adaptive); fixed: K always
+    repeats: int = 3  # (off, on) run pairs per cell; the speedup is the median of their ratios
     profile_steps: int = 0  # >0 (GPU): trace this many decode steps per run; GPU busy vs wall per step
     # Dummy weights only: scale the residual branches' output projections (attention o_proj, MLP
     # and expert down) by this. A random-weight model is chaotic (a rounding difference flips an
@@ -132,6 +135,11 @@ def profile(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
     return {"gpu_busy_ms": prof.busy_ms, "step_wall_ms": prof.window_ms}  # (the profiler adds host time to the wall)
 
 
+def rate(r: Run) -> float:
+    """Decode-phase output tokens per second."""
+    return r.decode_tokens / r.decode_seconds
+
+
 def damp_residual_branches(engine: Engine, factor: float) -> None:
     """Scale the dummy model's attention o_proj and MLP / expert down projections (see ScalingBench.damp)."""
     ex = engine.executor
@@ -189,19 +197,26 @@ def main(argv=None):
         run(engine, prompts, 8)  # first runs of the verify steps' buckets
         log.info("batch %d off: %.1f tok/s decode", batch, base.decode_tokens / base.decode_seconds)
         for mode in bench.modes.split(","):
-            engine.config.speculative_adaptive = mode == "adaptive"
             for p in ps:
                 for k in ks:
                     drafter = SetAcceptanceDrafter(recorded, p, seed=config.seed, vocab_size=vocab)
-                    engine.set_speculative("custom", k, drafter=drafter)
-                    if mode == "adaptive":  # a server's draft budget has measured its levels long before:
-                        run(engine, prompts, bench.max_tokens)  # this run trains it (its first steps try each level)
-                    r = run(engine, prompts, bench.max_tokens)
+                    offs, ons = [], []
+                    for _ in range(bench.repeats):  # pairs (off, on) back to back: drift between pairs cancels
+                        engine.set_speculative("off")
+                        offs.append(rate(run(engine, prompts, bench.max_tokens)))
+                        engine.config.speculative_adaptive = mode == "adaptive"
+                        engine.set_speculative("custom", k, drafter=drafter)
+                        if mode == "adaptive":  # a server's draft budget has measured its levels long before:
+                            run(engine, prompts, bench.max_tokens)  # this run trains it (its first steps try each level)
+                        r = run(engine, prompts, bench.max_tokens)
+                        ons.append(rate(r))
                     spec = engine.stats()["speculative"] or {}
                     prof = profile(engine, prompts, bench.profile_steps) if bench.profile_steps else {}
-                    runs.append((p, k, mode, r, spec, drafter, prof))
-                    log.info("batch %d %s p=%.2f K=%d: %.1f tok/s decode, acceptance %.3f", batch, mode, p, k,
-                             r.decode_tokens / r.decode_seconds, spec.get("acceptance_rate", 0.0))
+                    ratio = float(np.median([b / a for a, b in zip(offs, ons)]))
+                    runs.append((p, k, mode, r, spec, drafter, prof | {"pair_speedups": [b / a for a, b in zip(offs, ons)],
+                                                                      "speedup": ratio}))
+                    log.info("batch %d %s p=%.2f K=%d: %.1f tok/s decode, %.3fx (median of %d pairs), acceptance %.3f",
+                             batch, mode, p, k, rate(r), ratio, bench.repeats, spec.get("acceptance_rate", 0.0))
         for p, k, mode, r, spec, drafter, prof in runs:
             differ, first = divergence(r.outs, base.outs)
             tok_s = r.decode_tokens / r.decode_seconds
@@ -222,7 +237,8 @@ def main(argv=None):
             if adaptive:  # per-step K chosen by the engine (engine/draft_budget.py)
                 row["mean_k"] = adaptive["mean_k"]
                 row["steps_without_drafts"] = adaptive["steps_without_drafts"]
-            row.update(prof)
+                row["budget"] = adaptive  # its level and tokens per second by level
+            row.update(prof)  # (a speculative row's speedup: the median of its pairs' ratios)
             row["step_ms"] = r.decode_seconds / max(r.decode_steps, 1) * 1e3  # the timed run's (no profiler)
             if prof.get("gpu_busy_ms"):
                 row["step_over_busy"] = row["step_ms"] / prof["gpu_busy_ms"]

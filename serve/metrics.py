@@ -117,6 +117,15 @@ class EngineStatsCollector(Collector):
         for a, count in enumerate(spec.get("accepted_histogram") or []):
             per_chunk.add_metric([str(a)], self._counted(f"spec_accepted_{a}", count))
         yield per_chunk
+        adaptive = spec.get("adaptive") or {}  # the draft budget (engine/draft_budget.py); absent: fixed K
+        yield _gauge("splash_spec_decode_mean_drafts", "Mean drafts per decoding request per step the draft budget gave",
+                     float(adaptive.get("mean_k", 0.0)))
+        level = GaugeMetricFamily("splash_spec_decode_draft_level",
+                                  "Drafts per request the budget runs at each batch-size bucket (its smallest batch)",
+                                  labels=["batch"])
+        for batch, bucket in (adaptive.get("by_batch") or {}).items():
+            level.add_metric([str(batch)], float(bucket["level"]))
+        yield level
         switch = s.get("switch") or {}
         yield _gauge("splash_layout_switch_in_progress", "1 while a layout switch migrates", float(bool(switch)))
         yield _gauge("splash_layout_switch_progress", "Fraction of the switch's pages copied", float(switch.get("progress", 0.0)))

@@ -18,12 +18,12 @@ def test_each_level_is_measured_then_the_fastest_runs_with_a_neighbour_tried_now
     n = EXPLORE_STEPS + 1  # (the first step at a level is not counted: the one before is still in flight)
     for _ in range(4 * n):  # K first, then off, then the others
         seen.append(b.choose([0.9], [3])[0])
-        b.observe(b.level, {0: 10, 1: 18, 2: 24, 3: 21}[b.level], 1.0)
+        b.observe(b.take_key(), {0: 10, 1: 18, 2: 24, 3: 21}[b.level], 1.0)
     assert seen == [3] * n + [0] * n + [1] * n + [2] * n
     levels = []
     for _ in range(3 * EXPLORE_EVERY):
         levels.append(b.choose([0.9], [3])[0])
-        b.observe(b.level, {0: 10, 1: 18, 2: 24, 3: 21}[b.level], 1.0)
+        b.observe(b.take_key(), {0: 10, 1: 18, 2: 24, 3: 21}[b.level], 1.0)
     assert levels.count(2) > 0.8 * len(levels)  # the fastest level
     assert {1, 3} <= set(levels)  # its neighbours, tried for a few steps each
     assert b.summary()["level"] == 2
@@ -33,8 +33,30 @@ def test_drafts_stay_off_when_steps_without_them_make_more_tokens():
     b = DraftBudget(3)
     for _ in range(4 * (EXPLORE_STEPS + 1) + 2 * EXPLORE_EVERY):
         b.choose([0.5, 0.5], [3, 3])
-        b.observe(b.level, 20, 1.0 + 0.2 * b.level)  # drafts add cost and no tokens
+        b.observe(b.take_key(), 20, 1.0 + 0.2 * b.level)  # drafts add cost and no tokens
     assert b.summary()["level"] == 0
+
+
+def test_each_batch_size_bucket_learns_its_own_level():
+    """Drafts pay at a small batch and lose at a large one (the step's cost grows with its tokens
+    there): each bucket of batch sizes ends at its own best level, and the two interleaved never
+    mix their rates (a key change leaves the next step out)."""
+    b = DraftBudget(3)
+
+    def rate(batch, level):  # tokens per second: 1 + 0.6 + 0.36 + ... per request, cost by batch
+        tokens = batch * sum(0.6 ** i for i in range(level + 1))
+        return tokens, (1.0 if batch < 4 else 1.0 + 0.8 * level)
+
+    for i in range(3000):
+        batch = 2 if (i // 7) % 2 else 16  # runs of 7 steps at each size
+        b.choose([0.9] * batch, [3] * batch)
+        tokens, seconds = rate(batch, b.level)
+        b.observe(b.take_key(), tokens, seconds)
+    by = b.summary()["by_batch"]
+    assert by[2]["level"] == 3 and by[16]["level"] == 0, by
+    assert by[16]["tokens_per_s_by_level"][0] == pytest.approx(16.0)
+    assert by[2]["tokens_per_s_by_level"][3] == pytest.approx(2 * (1 + 0.6 + 0.36 + 0.216), abs=0.05)  # (rounded)
+    assert b.take_key() is None  # taken once
 
 
 def test_a_request_whose_drafts_are_rarely_kept_gets_none_at_any_level():

@@ -126,10 +126,10 @@ class DeviceSteps:
         for c in chunks:
             if c.request.metrics.first_scheduled is None:
                 c.request.metrics.first_scheduled = now
-        level = self.draft_budget.level if self.draft_budget is not None else -1
+        key = self.draft_budget.take_key() if self.draft_budget is not None else None
         if constrained:
-            return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode, draft_level=level)
-        return InFlight(chunks, packed.rows, out, want, packed.prompt_rows, draft_level=level)
+            return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode, draft_key=key)
+        return InFlight(chunks, packed.rows, out, want, packed.prompt_rows, draft_key=key)
 
     def _sample_deferred(self, step: InFlight) -> None:
         """Dispatch the sampler program of a step whose forward pass went ahead of its grammar
@@ -185,8 +185,8 @@ class DeviceSteps:
                 self._requests.pop(r.request_id, None)
         made = sum(len(o.new_token_ids) for o in outputs.values())
         self._recent.append((now, made))
-        if record is not None and not record.prefill_tokens and self.draft_budget is not None and step.draft_level >= 0:
-            self.draft_budget.observe(step.draft_level, made, record.interval_s)
+        if record is not None and not record.prefill_tokens and self.draft_budget is not None and step.draft_key is not None:
+            self.draft_budget.observe(step.draft_key, made, record.interval_s)
         if self.mtp is not None:
             self._record_drafts(step)
         return list(outputs.values())

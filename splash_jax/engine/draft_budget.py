@@ -6,8 +6,10 @@ measured cost of a step of that many tokens. On an H200 (V2-Lite, set acceptance
 it predicted 1.17x and measured 0.99x: overlapped steps, host work and the yield of the last
 steps of each request are not in that arithmetic. So the budget measures what each cap of drafts
 per request yields: a cap L in 0..K is a level; each decode-only step reports the tokens it
-output over its interval (back to back with the one before), a moving average per level. It
-runs the best level, first trying each not yet measured (K, then 0, then the rest), and every
+output over its interval (back to back with the one before), a moving average per level and
+per batch bucket (1, 2-3, 4-7, 8-15, ... decoding requests: a step's cost and what a draft is
+worth change with the batch, so rates measured at one size do not decide another). It runs the
+best level of the step's bucket, first trying each not yet measured (K, then 0, then the rest), and every
 EXPLORE_EVERY steps runs a neighbouring level for EXPLORE_STEPS steps, so a change of load or
 acceptance moves it. Level 0 is speculation off (plain overlapped steps).
 
@@ -47,34 +49,32 @@ class Acceptance:
         self.missed = self.missed * DECAY + (kept < drafts)
 
 
-class DraftBudget:
-    """Draft caps per step from measured tokens per second by level (see the module docstring)."""
+def batch_bucket(requests: int) -> int:
+    """The batch sizes that share measured rates: 1, 2-3, 4-7, 8-15, ... decoding requests (a
+    step's cost and a draft's worth change with the batch: drafts that pay at 4 may lose at 64)."""
+    return max(requests, 1).bit_length()
+
+
+class _Levels:
+    """Measured tokens per second by level at one batch bucket, and the exploration state there."""
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.rate: dict[int, float] = {}  # level -> tokens per second of decode-only steps (moving average)
         self.samples: dict[int, int] = {}  # level -> steps measured
-        self.level = max_k  # the level of the step chosen last
-        self._best = max_k
+        self.level = self.best = max_k  # the level chosen last; the best measured one
         self._step = 0
         self._exploring = 0  # steps left at an explored level
         self._explore_up = False
-        self._observed = -1  # the level of the last step observed
-        self.steps = 0  # steps it chose for
-        self.drafts = 0  # draft caps it gave over those steps
-        self.requests = 0  # decoding requests over those steps
-        self.steps_without = 0  # steps at level 0
 
-    def observe(self, level: int, tokens: int, seconds: float) -> None:
-        """A decode-only step chosen at `level` output `tokens` tokens in `seconds`. The first step
-        at a new level is left out: its interval and tokens still carry the previous level's
-        steps in flight (an ahead chunk, the overlapped host work)."""
-        previous, self._observed = self._observed, level
-        if seconds <= 0 or level != previous:
-            return
-        r, old = tokens / seconds, self.rate.get(level)
-        self.rate[level] = r if old is None else old + RATE_WEIGHT * (r - old)
+    def observe(self, level: int, rate: float) -> None:
+        old = self.rate.get(level)
+        self.rate[level] = rate if old is None else old + RATE_WEIGHT * (rate - old)
         self.samples[level] = self.samples.get(level, 0) + 1
+
+    def pick(self) -> int:
+        self.level = self._pick()
+        return self.level
 
     def _pick(self) -> int:
         for level in (self.max_k, 0, *range(1, self.max_k)):  # each level measured a few steps first
@@ -86,20 +86,55 @@ class DraftBudget:
         best = max(self.rate, key=self.rate.get)
         # drafts must beat no drafts by more than the noise of a few steps' rates: when they are
         # about even, off costs nothing (no verify rows, no drafting) and never loses
-        self._best = best if self.rate[best] > (1 + OFF_MARGIN) * self.rate.get(0, 0.0) else 0
+        self.best = best if self.rate[best] > (1 + OFF_MARGIN) * self.rate.get(0, 0.0) else 0
         self._step += 1
         if self._step % EXPLORE_EVERY == 0 and self.max_k:
             self._explore_up = not self._explore_up
-            up = self._best + 1 if self._explore_up else self._best - 1
+            up = self.best + 1 if self._explore_up else self.best - 1
             if 0 <= up <= self.max_k:
                 self._exploring = EXPLORE_STEPS - 1
                 return up
-        return self._best
+        return self.best
+
+
+class DraftBudget:
+    """Draft caps per step from measured tokens per second by level and batch bucket (see the
+    module docstring)."""
+
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self.buckets: dict[int, _Levels] = {}  # batch_bucket -> its levels
+        self.level = max_k  # the level of the step chosen last
+        self.key: tuple[int, int] | None = None  # (bucket, level) of the step chosen last, until taken
+        self._bucket = 0  # the bucket of the step chosen last
+        self._observed: tuple[int, int] | None = None  # the key of the last step observed
+        self.steps = 0  # steps it chose for
+        self.drafts = 0  # draft caps it gave over those steps
+        self.requests = 0  # decoding requests over those steps
+        self.steps_without = 0  # steps at level 0
+
+    def take_key(self) -> tuple[int, int] | None:
+        """(bucket, level) the step being dispatched was chosen at (None: not chosen by the budget,
+        e.g. drafting paused); each key is taken once."""
+        key, self.key = self.key, None
+        return key
+
+    def observe(self, key: tuple[int, int], tokens: int, seconds: float) -> None:
+        """A decode-only step chosen at `key` = (bucket, level) output `tokens` tokens in
+        `seconds`. The first step at a new key is left out: its interval and tokens still carry
+        the previous level's steps in flight (an ahead chunk, the overlapped host work)."""
+        previous, self._observed = self._observed, key
+        if seconds <= 0 or key != previous:
+            return
+        self.buckets[key[0]].observe(key[1], tokens / seconds)
 
     def choose(self, alphas: list[float], limits: list[int]) -> list[int]:
         """Drafts per request this step (parallel to alphas: its acceptance, limits: at most this
-        many); `self.level` is the level chosen (the engine reports the step's tokens for it)."""
-        self.level = level = self._pick()
+        many); `self.key` is the (bucket, level) chosen (the engine reports the step's tokens for it)."""
+        self._bucket = bucket = batch_bucket(len(alphas))
+        levels = self.buckets.get(bucket) or self.buckets.setdefault(bucket, _Levels(self.max_k))
+        self.level = level = levels.pick()
+        self.key = (bucket, level)
         self.steps += 1
         self.requests += len(alphas)
         out = [min(k, level) if a >= MIN_ALPHA else 0 for a, k in zip(alphas, limits)]
@@ -107,9 +142,19 @@ class DraftBudget:
         self.steps_without += level == 0
         return out
 
+    @property
+    def rate(self) -> dict[int, float]:
+        """Tokens per second by level at the batch bucket of the last step."""
+        levels = self.buckets.get(self._bucket)
+        return levels.rate if levels else {}
+
     def summary(self) -> dict:
+        levels = self.buckets.get(self._bucket)
         return {
             "mean_k": self.drafts / self.requests if self.requests else 0.0,
-            "level": self._best, "steps_without_drafts": self.steps_without,
+            "level": levels.best if levels else self.max_k, "steps_without_drafts": self.steps_without,
             "tokens_per_s_by_level": {k: round(v, 1) for k, v in sorted(self.rate.items())},
+            # per batch bucket, keyed by its smallest batch: (best level, tokens per second by level)
+            "by_batch": {1 << (b - 1): {"level": lv.best, "tokens_per_s_by_level": {
+                k: round(v, 1) for k, v in sorted(lv.rate.items())}} for b, lv in sorted(self.buckets.items())},
         }

@@ -29,7 +29,7 @@ class InFlight:
     logits: StepLogits | None = None
     mode: SamplerMode = FULL_MODE
     mask: np.ndarray | concurrent.futures.Future | None = None  # its grammar masks, or their fill in progress
-    draft_level: int = -1  # the draft budget's level it was scheduled at (engine/draft_budget.py; -1: none)
+    draft_key: tuple[int, int] | None = None  # (batch bucket, level) the draft budget chose it at (engine/draft_budget.py)
 
 
 class GrammarMasks:
