@@ -6,12 +6,17 @@ measured cost of a step of that many tokens. On an H200 (V2-Lite, set acceptance
 it predicted 1.17x and measured 0.99x: overlapped steps, host work and the yield of the last
 steps of each request are not in that arithmetic. So the budget measures what each cap of drafts
 per request yields: a cap L in 0..K is a level; each decode-only step reports the tokens it
-output over its interval (back to back with the one before), a moving average per level and
-per batch bucket (1, 2-3, 4-7, 8-15, ... decoding requests: a step's cost and what a draft is
-worth change with the batch, so rates measured at one size do not decide another). It runs the
-best level of the step's bucket, first trying each not yet measured (K, then 0, then the rest), and every
-EXPLORE_EVERY steps runs a neighbouring level for EXPLORE_STEPS steps, so a change of load or
-acceptance moves it. Level 0 is speculation off (plain overlapped steps).
+output over its interval (back to back with the one before); a level's rate is tokens over
+seconds of its last WINDOW steps, per batch bucket (1, 2-3, 4-7, 8-15, ... decoding requests: a
+step's cost and what a draft is worth change with the batch, so rates measured at one size do
+not decide another). It runs the best level of the step's bucket. A new bucket starts at the
+best level of the nearest one measured (K for the first) and measures the other levels in turn,
+one every LEARN_EVERY steps for EXPLORE_STEPS measured steps (level 0 first, then K, then the
+rest). Then every EXPLORE_EVERY steps it runs another level for EXPLORE_STEPS measured steps,
+in turn level 0 (the level the others must beat by OFF_MARGIN), a neighbour above and one below,
+its rate then from those steps alone (never an old reading), so a change of load or acceptance
+moves it; while the best level holds, the period doubles up to MAX_EXPLORE_EVERY (what
+exploring a losing level costs shrinks). Level 0 is speculation off (plain overlapped steps).
 
 Within a level, a request whose own drafts are rarely kept (alpha below MIN_ALPHA: kept /
 (kept + first misses), decayed, from a prior of one of each) gets none, so a request whose
@@ -23,14 +28,17 @@ vLLM and SGLang turn speculation down by batch-size thresholds; this measures in
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 PRIOR_KEPT, PRIOR_MISSED = 1.0, 1.0  # a new request starts at alpha = 0.5
 DECAY = 0.98  # per verify chunk: a request's older drafts count less (its text changes)
 MIN_ALPHA = 0.12  # a request whose drafts are kept less often than this drafts none
-RATE_WEIGHT = 0.1  # moving-average weight of a new step's tokens per second
+WINDOW = 10  # a level's rate: tokens over seconds of its last this many measured steps
 OFF_MARGIN = 0.05  # a level with drafts runs only if its rate beats level 0's by this much
-EXPLORE_EVERY, EXPLORE_STEPS = 48, 5  # a neighbouring level runs this many steps this often
+EXPLORE_EVERY, EXPLORE_STEPS = 48, 5  # another level runs this many measured steps this often
+MAX_EXPLORE_EVERY = 384  # the period doubles up to this while the best level holds
+LEARN_EVERY = 12  # until every level of a batch bucket is measured, another runs this often
 
 
 @dataclasses.dataclass
@@ -58,18 +66,28 @@ def batch_bucket(requests: int) -> int:
 class _Levels:
     """Measured tokens per second by level at one batch bucket, and the exploration state there."""
 
-    def __init__(self, max_k: int):
+    def __init__(self, max_k: int, start: int):
         self.max_k = max_k
-        self.rate: dict[int, float] = {}  # level -> tokens per second of decode-only steps (moving average)
+        self.window: dict[int, collections.deque] = {}  # level -> its last WINDOW (tokens, seconds)
         self.samples: dict[int, int] = {}  # level -> steps measured
-        self.level = self.best = max_k  # the level chosen last; the best measured one
+        self.level = self.best = start  # the level chosen last; the best measured one
+        self._fresh: int | None = None  # an explored level whose next reading replaces its window
         self._step = 0
         self._exploring = 0  # steps left at an explored level
-        self._explore_up = False
+        self._turn = 0  # which candidate the next exploration tries
+        self._period = EXPLORE_EVERY  # steps between explorations (doubles while the best holds)
+        self._next = LEARN_EVERY  # the step of the next exploration
 
-    def observe(self, level: int, rate: float) -> None:
-        old = self.rate.get(level)
-        self.rate[level] = rate if old is None else old + RATE_WEIGHT * (rate - old)
+    @property
+    def rate(self) -> dict[int, float]:
+        """Tokens per second by level over its last WINDOW measured steps."""
+        return {lv: sum(t for t, _ in w) / sum(s for _, s in w) for lv, w in self.window.items()}
+
+    def observe(self, level: int, tokens: int, seconds: float) -> None:
+        if level == self._fresh:  # an exploration's readings replace the level's old ones
+            self.window.pop(level, None)
+            self._fresh = None
+        self.window.setdefault(level, collections.deque(maxlen=WINDOW)).append((tokens, seconds))
         self.samples[level] = self.samples.get(level, 0) + 1
 
     def pick(self) -> int:
@@ -77,24 +95,37 @@ class _Levels:
         return self.level
 
     def _pick(self) -> int:
-        for level in (self.max_k, 0, *range(1, self.max_k)):  # each level measured a few steps first
-            if self.samples.get(level, 0) < EXPLORE_STEPS:
-                return level
         if self._exploring:
             self._exploring -= 1
             return self.level
-        best = max(self.rate, key=self.rate.get)
-        # drafts must beat no drafts by more than the noise of a few steps' rates: when they are
-        # about even, off costs nothing (no verify rows, no drafting) and never loses
-        self.best = best if self.rate[best] > (1 + OFF_MARGIN) * self.rate.get(0, 0.0) else 0
+        rate = self.rate
+        if self.samples.get(self.best, 0) >= EXPLORE_STEPS:
+            best = max(rate, key=rate.get)
+            # drafts must beat no drafts by more than the noise of a few steps' rates: when they
+            # are about even, off costs nothing (no verify rows, no drafting) and never loses
+            best = best if rate[best] > (1 + OFF_MARGIN) * rate.get(0, 0.0) else 0
+            if best != self.best:  # load or acceptance moved: look around again soon
+                self.best, self._period = best, EXPLORE_EVERY
+                self._next = min(self._next, self._step + EXPLORE_EVERY)
         self._step += 1
-        if self._step % EXPLORE_EVERY == 0 and self.max_k:
-            self._explore_up = not self._explore_up
-            up = self.best + 1 if self._explore_up else self.best - 1
-            if 0 <= up <= self.max_k:
-                self._exploring = EXPLORE_STEPS - 1
-                return up
-        return self.best
+        if self._step < self._next or not self.max_k:
+            return self.best
+        unmeasured = [lv for lv in (0, self.max_k, *range(1, self.max_k)) if self.samples.get(lv, 0) < EXPLORE_STEPS]
+        if unmeasured:  # learning: each level in turn, often
+            explore = unmeasured[0] if unmeasured[0] != self.best else (unmeasured[1:] or [self.best])[0]
+            self._next = self._step + LEARN_EVERY
+        else:  # level 0 (the level the others must beat) and the neighbours in turn, less often while the best holds
+            candidates = list(dict.fromkeys(x for x in (0, self.best + 1, self.best - 1)
+                                            if 0 <= x <= self.max_k and x != self.best))
+            explore = candidates[self._turn % len(candidates)]
+            self._turn += 1
+            self._fresh = explore
+            self._next = self._step + self._period
+            self._period = min(2 * self._period, MAX_EXPLORE_EVERY)
+        if explore == self.best:
+            return self.best
+        self._exploring = EXPLORE_STEPS  # (its first step is not measured)
+        return explore
 
 
 class DraftBudget:
@@ -126,13 +157,16 @@ class DraftBudget:
         previous, self._observed = self._observed, key
         if seconds <= 0 or key != previous:
             return
-        self.buckets[key[0]].observe(key[1], tokens / seconds)
+        self.buckets[key[0]].observe(key[1], tokens, seconds)
 
     def choose(self, alphas: list[float], limits: list[int]) -> list[int]:
         """Drafts per request this step (parallel to alphas: its acceptance, limits: at most this
         many); `self.key` is the (bucket, level) chosen (the engine reports the step's tokens for it)."""
         self._bucket = bucket = batch_bucket(len(alphas))
-        levels = self.buckets.get(bucket) or self.buckets.setdefault(bucket, _Levels(self.max_k))
+        levels = self.buckets.get(bucket)
+        if levels is None:  # a new batch size starts at the level of the nearest one measured
+            near = min(self.buckets, key=lambda b: abs(b - bucket), default=None)
+            levels = self.buckets[bucket] = _Levels(self.max_k, self.max_k if near is None else self.buckets[near].best)
         self.level = level = levels.pick()
         self.key = (bucket, level)
         self.steps += 1
