@@ -78,6 +78,16 @@ def test_each_batch_size_bucket_learns_its_own_level():
     assert b.take_key() is None  # taken once
 
 
+def test_a_new_batch_size_starts_at_the_level_of_the_nearest_one_measured():
+    b = DraftBudget(3)
+    for _ in range(4 * LEARN_EVERY + 4 * (EXPLORE_STEPS + 1)):  # 16 requests: drafts lose
+        b.choose([0.9] * 16, [3] * 16)
+        b.observe(b.take_key(), 16, 1.0 + 0.8 * b.level)
+    assert b.summary()["by_batch"][16]["level"] == 0
+    assert b.choose([0.9] * 40, [3] * 40) == [0] * 40  # 32-63 requests: not measured, starts at 0
+    assert b.choose([0.9], [3]) == [0]  # and so does 1 (the nearest measured bucket is still 16-31)
+
+
 def test_a_request_whose_drafts_are_rarely_kept_gets_none_at_any_level():
     b = DraftBudget(3)
     assert b.choose([0.9, MIN_ALPHA / 2, 0.5], [3, 3, 1]) == [3, 0, 1]
