@@ -34,8 +34,9 @@ import httpx
 import numpy as np
 
 from benchmarks import speculative
-from benchmarks.common import table, write_results
+from benchmarks.common import parse_engine_and_bench, table, write_results
 from benchmarks.serving import launched_server
+from splash_jax.engine import Engine
 
 log = logging.getLogger("benchmarks.speculative_server")
 
@@ -118,9 +119,6 @@ def main(argv=None):
     spec_flags = f"--speculative-method ngram --speculative-tokens {args.drafts}"
     off = serve_cells(args, args.server_args, cells)
     ngram = serve_cells(args, f"{args.server_args} {spec_flags}", cells)
-
-    from benchmarks.common import parse_engine_and_bench
-    from splash_jax.engine import Engine
 
     bench, config = parse_engine_and_bench(speculative.__doc__, speculative.SpecBench, [
         *shlex.split(args.server_args), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)])

@@ -112,7 +112,7 @@ class _Levels:
             return self.best
         unmeasured = [lv for lv in (0, self.max_k, *range(1, self.max_k)) if self.samples.get(lv, 0) < EXPLORE_STEPS]
         if unmeasured:  # learning: each level in turn, often
-            explore = unmeasured[0] if unmeasured[0] != self.best else (unmeasured[1:] or [self.best])[0]
+            explore = next((lv for lv in unmeasured if lv != self.best), self.best)
             self._next = self._step + LEARN_EVERY
         else:  # level 0 (the level the others must beat) and the neighbours in turn, less often while the best holds
             candidates = list(dict.fromkeys(x for x in (0, self.best + 1, self.best - 1)
