@@ -61,6 +61,7 @@ class ScalingBench:
     # function of the current one (a bigram of the embedding and LM head) and no longer flips;
     # every layer still runs, with the same shapes, routing and bytes. 1: off.
     damp: float = 0.0
+    trace: bool = False  # keep each timed run's steps (interval, tokens, draft level): where a loss goes
 
 
 @dataclasses.dataclass
@@ -76,10 +77,40 @@ class Run:
     decode_steps: int  # engine steps in that time
     outs: list[Outputs]
     prompts: list[tuple[int, ...]]  # as the requests hold them (the drafter's keys)
+    steps: list[tuple] = dataclasses.field(default_factory=list)  # --trace: (ms since the last, tokens, rows, level)
 
 
-def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> Run:
+class StepTrace:
+    """Each completed step of an engine while on: milliseconds since the previous completion, tokens
+    it output, requests in it, and the draft budget's level for it (None: not chosen by the budget).
+    It wraps the engine's completion hook, so what it times is what the engine's own timeline sees."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.steps, self.on = engine, [], False
+        inner, self._last = engine._complete, None
+
+        def complete(step, back_to_back=False):
+            out = inner(step, back_to_back)
+            if self.on:
+                now = time.perf_counter()
+                key = step.draft_key
+                self.steps.append((round((now - self._last) * 1e3, 3) if self._last else None,
+                                   sum(len(o.new_token_ids) for o in out), len(step.chunks), key[1] if key else None))
+                self._last = now
+            return out
+
+        engine._complete = complete
+
+    def take(self) -> list[tuple]:
+        steps, self.steps, self._last = self.steps, [], None
+        return steps
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int, trace: StepTrace | None = None) -> Run:
     """The requests to completion, step by step, timing the decode phase apart."""
+    if trace is not None:
+        trace.take()
+        trace.on = True
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     requests = [engine.make_request(p, params) for p in prompts]
     tokens = {r.request_id: [] for r in requests}
@@ -104,8 +135,11 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> Run:
             t1, n1 = time.perf_counter(), sum(map(len, tokens.values()))
     end = time.perf_counter()
     total = sum(map(len, tokens.values()))
+    steps_seen = []
+    if trace is not None:
+        trace.on, steps_seen = False, trace.take()
     return Run(end - t0, end - t1, total - n1, steps, [Outputs(tokens[r.request_id]) for r in requests],
-               [tuple(r.prompt_ids) for r in requests])
+               [tuple(r.prompt_ids) for r in requests], steps_seen)
 
 
 def profile(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
@@ -182,7 +216,8 @@ def main(argv=None):
     check_room(engine, batches, max(ks))
     vocab = engine.model_config.vocab_size
     dtype = str(engine.page_dtype)
-    rows = []
+    rows, traces = [], []
+    tracer = StepTrace(engine) if bench.trace else None
     for batch in batches:
         prompts = random_prompts(batch, bench.context, vocab, config.seed)
         engine.config.speculative_adaptive = True
@@ -201,15 +236,20 @@ def main(argv=None):
                 for k in ks:
                     drafter = SetAcceptanceDrafter(recorded, p, seed=config.seed, vocab_size=vocab)
                     offs, ons = [], []
-                    for _ in range(bench.repeats):  # pairs (off, on) back to back: drift between pairs cancels
+                    for pair in range(bench.repeats):  # pairs (off, on) back to back: drift between pairs cancels
                         engine.set_speculative("off")
-                        offs.append(rate(run(engine, prompts, bench.max_tokens)))
+                        off = run(engine, prompts, bench.max_tokens, tracer)
+                        offs.append(rate(off))
                         engine.config.speculative_adaptive = mode == "adaptive"
                         engine.set_speculative("custom", k, drafter=drafter)
                         if mode == "adaptive":  # a server's draft budget has measured its levels long before:
                             run(engine, prompts, bench.max_tokens)  # this run trains it (its first steps try each level)
-                        r = run(engine, prompts, bench.max_tokens)
+                        r = run(engine, prompts, bench.max_tokens, tracer)
                         ons.append(rate(r))
+                        if tracer is not None:
+                            budget = (engine.stats()["speculative"] or {}).get("adaptive")
+                            traces.append({"batch": batch, "mode": mode, "acceptance": p, "K": k, "pair": pair,
+                                           "off": off.steps, "on": r.steps, "budget": budget})
                     spec = engine.stats()["speculative"] or {}
                     prof = profile(engine, prompts, bench.profile_steps) if bench.profile_steps else {}
                     ratio = float(np.median([b / a for a, b in zip(offs, ons)]))
@@ -254,7 +294,8 @@ def main(argv=None):
     print(table(rows, columns))
     write_results("speculative_scaling", {
         "config": dataclasses.asdict(bench), "dtype": dtype,
-        "engine": {k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows})
+        "engine": {k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows}
+        | ({"traces": traces} if traces else {}))
     check_identical(any(r["requests_differing"] for r in rows), dtype, "near-ties round differently in a verify step's shapes")
 
 

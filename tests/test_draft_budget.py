@@ -5,7 +5,8 @@ are always rejected ends with none, one whose drafts are always kept runs K."""
 import pytest
 
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
-from splash_jax.engine.draft_budget import EXPLORE_EVERY, EXPLORE_STEPS, LEARN_EVERY, MIN_ALPHA, Acceptance, DraftBudget
+from splash_jax.engine.draft_budget import (
+    EXPLORE_EVERY, EXPLORE_STEPS, FOLLOW_STEPS, LEARN_EVERY, MIN_ALPHA, Acceptance, DraftBudget)
 from splash_jax.engine.set_acceptance import SetAcceptanceDrafter
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
@@ -86,6 +87,25 @@ def test_a_new_batch_size_starts_at_the_level_of_the_nearest_one_measured():
     assert b.summary()["by_batch"][16]["level"] == 0
     assert b.choose([0.9] * 40, [3] * 40) == [0] * 40  # 32-63 requests: not measured, starts at 0
     assert b.choose([0.9], [3]) == [0]  # and so does 1 (the nearest measured bucket is still 16-31)
+
+
+def test_a_batch_passing_through_runs_the_learned_level_and_a_batch_that_stays_learns_its_own():
+    """The drain of a batch (every step fewer requests) visits each smaller bucket for a few steps:
+    it runs the best level of the nearest learned bucket there, trying nothing; a batch size that
+    stays learns its own levels."""
+    b = DraftBudget(3)
+    for _ in range(4 * LEARN_EVERY + 4 * (EXPLORE_STEPS + 1)):  # 64 requests: level 2 is best
+        b.choose([0.9] * 64, [3] * 64)
+        b.observe(b.take_key(), 64 * (1, 1.5, 1.8, 1.7)[b.level], 1.0)
+    assert b.summary()["by_batch"][64]["level"] == 2
+    drain = [b.choose([0.9] * n, [3] * n)[0] for n in range(63, 0, -1)]
+    assert drain == [2] * len(drain)  # no level tried in the drain, whatever the nearest bucket's start was
+    stays = []
+    for _ in range(FOLLOW_STEPS + 4 * LEARN_EVERY + 4 * (EXPLORE_STEPS + 1)):  # 4 requests, drafts lose
+        stays.append(b.choose([0.9] * 4, [3] * 4)[0])
+        b.observe(b.take_key(), 4, 1.0 + b.level)
+    assert stays[: FOLLOW_STEPS - 4] == [2] * (FOLLOW_STEPS - 4)  # (4 of the drain's steps were at 4-7 requests)
+    assert b.summary()["by_batch"][4]["level"] == 0 and stays[-1] == 0
 
 
 def test_a_request_whose_drafts_are_rarely_kept_gets_none_at_any_level():

@@ -12,7 +12,12 @@ step's cost and what a draft is worth change with the batch, so rates measured a
 not decide another). It runs the best level of the step's bucket. A new bucket starts at the
 best level of the nearest one measured (K for the first) and measures the other levels in turn,
 one every LEARN_EVERY steps for EXPLORE_STEPS measured steps (level 0 first, then K, then the
-rest). Then every EXPLORE_EVERY steps it runs another level for EXPLORE_STEPS measured steps,
+rest). Until it has run FOLLOW_STEPS steps, a bucket that has not measured every level runs the
+current best level of the nearest bucket that has: a batch passing through (the drain of a
+batch of requests, where every step has fewer requests than the last) neither pays for trying
+levels there nor keeps readings of a batch that shrank while they were taken (on an H200 at
+acceptance 0.3, the drain of a batch of 128 measured 64-127 requests once, at level 3 early in
+the drain and level 0 late, and ran level 3 there since). Then every EXPLORE_EVERY steps it runs another level for EXPLORE_STEPS measured steps,
 in turn level 0 (the level the others must beat by OFF_MARGIN), a neighbour above and one below,
 its rate then from those steps alone (never an old reading), so a change of load or acceptance
 moves it; while the best level holds, the period doubles up to MAX_EXPLORE_EVERY (what
@@ -39,6 +44,7 @@ OFF_MARGIN = 0.05  # a level with drafts runs only if its rate beats level 0's b
 EXPLORE_EVERY, EXPLORE_STEPS = 48, 5  # another level runs this many measured steps this often
 MAX_EXPLORE_EVERY = 384  # the period doubles up to this while the best level holds
 LEARN_EVERY = 12  # until every level of a batch bucket is measured, another runs this often
+FOLLOW_STEPS = 36  # a bucket runs this many steps at a learned neighbour's best before learning its own
 
 
 @dataclasses.dataclass
@@ -77,6 +83,12 @@ class _Levels:
         self._turn = 0  # which candidate the next exploration tries
         self._period = EXPLORE_EVERY  # steps between explorations (doubles while the best holds)
         self._next = LEARN_EVERY  # the step of the next exploration
+        self.followed = 0  # steps run at a learned neighbour's best level (FOLLOW_STEPS)
+
+    @property
+    def learned(self) -> bool:
+        """Every level measured."""
+        return all(self.samples.get(lv, 0) >= EXPLORE_STEPS for lv in range(self.max_k + 1))
 
     @property
     def rate(self) -> dict[int, float]:
@@ -167,7 +179,15 @@ class DraftBudget:
         if levels is None:  # a new batch size starts at the level of the nearest one measured
             near = min(self.buckets, key=lambda b: abs(b - bucket), default=None)
             levels = self.buckets[bucket] = _Levels(self.max_k, self.max_k if near is None else self.buckets[near].best)
-        self.level = level = levels.pick()
+        guide = None
+        if not levels.learned and levels.followed < FOLLOW_STEPS:  # passing through, perhaps: a learned neighbour's best
+            guide = min((b for b, lv in self.buckets.items() if b != bucket and lv.learned),
+                        key=lambda b: abs(b - bucket), default=None)
+        if guide is not None:
+            levels.followed += 1
+            levels.level = self.level = level = self.buckets[guide].best
+        else:
+            self.level = level = levels.pick()
         self.key = (bucket, level)
         self.steps += 1
         self.requests += len(alphas)

@@ -302,20 +302,24 @@ def pack_step(
     sampling = SamplingInputs.host(rows_total, shape.widths)
     samples = np.fromiter((c.samples for c in chunks), bool, num)
     generated = np.fromiter((c.request.num_generated - c.samples for c in chunks), np.int64, num)
+    verify = [i for i, c in enumerate(chunks) if c.drafts]
     if num:
         slot_sampling.rows(sampling, row, slots, generated)
-    for i in (i for i, c in enumerate(chunks) if c.drafts):  # verify rows: position j draws output token j
-        k = len(chunks[i].drafts)
-        verify = np.arange(row[i] - k, row[i] + 1)
-        slot_sampling.rows(sampling, verify, np.full(k + 1, slots[i]), generated[i] + np.arange(k + 1))
-        sampling.draft[verify[:-1]] = chunks[i].drafts
+    if verify:  # verify rows, all at once: row j of a chunk of k drafts draws output token j
+        vi = np.asarray(verify)
+        counts = nrows[vi]  # k + 1
+        of = np.repeat(vi, counts)
+        j = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        vrows = row[of] - np.repeat(counts - 1, counts) + j
+        slot_sampling.rows(sampling, vrows, slots[of], generated[of] + j)
+        sampling.draft[vrows[j < np.repeat(counts - 1, counts)]] = np.concatenate([chunks[i].drafts for i in verify])
     prompt_rows = []
     if all_logits:
         logits_index[: len(gslot)] = gslot
     else:
         logits_index[row] = base + lengths - 1
-        for i in (i for i, c in enumerate(chunks) if c.drafts):
-            logits_index[row[i] - nrows[i] + 1 : row[i] + 1] = base[i] + np.arange(nrows[i])
+        if verify:
+            logits_index[vrows] = base[of] + j
         lp_start = np.fromiter((c.lp_start for c in chunks), np.int64, num)
         for i in np.flatnonzero(lp_start >= 0):  # prompt logprobs: row r of position p scores prompt token p + 1
             c = chunks[i]
