@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import parse_engine_and_bench, table, write_results
+from benchmarks.step_trace import StepTrace
 from splash_jax.engine import Engine, SamplingParams
 
 log = logging.getLogger("benchmarks.speculative")
@@ -48,6 +49,7 @@ class SpecBench:
     max_tokens: int = 128
     prompt_chars: int = 1200  # characters of each file's opening
     repeats: int = 3  # (off, on) pairs per cell; the speedup is their median ratio
+    trace: bool = False  # keep each timed run's steps (interval, tokens, requests, draft level)
 
 
 def held_out_files(count: int) -> list[str]:
@@ -85,11 +87,22 @@ def divergence(outs, refs) -> tuple[int, int | None]:
     return len(firsts), (min(firsts) if firsts else None)
 
 
-def run(engine: Engine, texts: list[str], max_tokens: int) -> tuple[float, list]:
+TRACES: dict[int, StepTrace] = {}  # --trace: by id(engine)
+STEPS: list[dict] = []  # --trace: each timed run's steps
+
+
+def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = None) -> tuple[float, list]:
+    """The prompts to completion; `timed` names a measured run (its steps are kept with --trace)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    trace = TRACES.get(id(engine)) if timed else None
+    if trace is not None:
+        trace.start()
     t = time.perf_counter()
     outs = engine.generate(texts, params)
-    return time.perf_counter() - t, outs
+    seconds = time.perf_counter() - t
+    if trace is not None:
+        STEPS.append({"run": timed, "batch": len(texts), "seconds": seconds, "steps": trace.stop()})
+    return seconds, outs
 
 
 def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int) -> tuple[float, list, dict]:
@@ -99,7 +112,7 @@ def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: i
         engine.reset_prefix_cache()
         run(engine, texts, max_tokens)  # trains the budget (its first steps try each level)
     engine.reset_prefix_cache()  # every run prefills its prompts
-    seconds, outs = run(engine, texts, max_tokens)
+    seconds, outs = run(engine, texts, max_tokens, timed=f"{method} K={k}")
     return seconds, outs, engine.stats()["speculative"] or {}
 
 
@@ -126,6 +139,8 @@ def main(argv=None):
     if "mtp" in methods:
         engines["mtp"] = Engine(dataclasses.replace(config, speculative_method="mtp", speculative_tokens=k_max))
     base_engine = engines["ngram"]
+    if bench.trace:
+        TRACES.update({id(e): StepTrace(e) for e in engines.values()})
     rows = []
     for workload in bench.workloads.split(","):
         first_base = None  # K = 0 outputs at the first batch: the same prompts lead every larger batch
@@ -143,6 +158,8 @@ def main(argv=None):
                 for k in (k for k in drafts if k):
                     ratio, seconds, outs, spec, offs, ons = cell(engines[method], base_engine, method, k, texts, bench)
                     runs.append((method, k, ratio, seconds, outs, spec, *divergence(outs, base), offs, ons))
+            for s in STEPS:
+                s.setdefault("workload", workload)
             for method, k, ratio, seconds, outs, spec, differ, first_diff, offs, ons in runs:
                 tokens = sum(len(o.token_ids) for o in outs)
                 adaptive = spec.get("adaptive") or {}
@@ -162,7 +179,8 @@ def main(argv=None):
                        "mean_k", "requests_differing", "first_difference_at"]))
     dtype = str(base_engine.page_dtype)
     write_results("speculative", {"config": dataclasses.asdict(bench), "dtype": dtype, "engine": {
-        k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows})
+        k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows}
+        | ({"traces": STEPS} if STEPS else {}))
     check_identical(any(r["identical"] is False for r in rows), dtype, "compare the K = 0 rows, where only the batch changed")
 
 

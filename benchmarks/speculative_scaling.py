@@ -35,6 +35,7 @@ import numpy as np
 
 from benchmarks.common import build_engine, parse_engine_and_bench, table, write_results
 from benchmarks.speculative import check_identical, divergence
+from benchmarks.step_trace import StepTrace
 from splash_jax.engine import Engine, SamplingParams
 from splash_jax.engine.set_acceptance import SetAcceptanceDrafter, expected_accepted
 
@@ -80,37 +81,10 @@ class Run:
     steps: list[tuple] = dataclasses.field(default_factory=list)  # --trace: (ms since the last, tokens, rows, level)
 
 
-class StepTrace:
-    """Each completed step of an engine while on: milliseconds since the previous completion, tokens
-    it output, requests in it, and the draft budget's level for it (None: not chosen by the budget).
-    It wraps the engine's completion hook, so what it times is what the engine's own timeline sees."""
-
-    def __init__(self, engine: Engine):
-        self.engine, self.steps, self.on = engine, [], False
-        inner, self._last = engine._complete, None
-
-        def complete(step, back_to_back=False):
-            out = inner(step, back_to_back)
-            if self.on:
-                now = time.perf_counter()
-                key = step.draft_key
-                self.steps.append((round((now - self._last) * 1e3, 3) if self._last else None,
-                                   sum(len(o.new_token_ids) for o in out), len(step.chunks), key[1] if key else None))
-                self._last = now
-            return out
-
-        engine._complete = complete
-
-    def take(self) -> list[tuple]:
-        steps, self.steps, self._last = self.steps, [], None
-        return steps
-
-
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int, trace: StepTrace | None = None) -> Run:
     """The requests to completion, step by step, timing the decode phase apart."""
     if trace is not None:
-        trace.take()
-        trace.on = True
+        trace.start()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     requests = [engine.make_request(p, params) for p in prompts]
     tokens = {r.request_id: [] for r in requests}
@@ -137,7 +111,7 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int, trace: StepTr
     total = sum(map(len, tokens.values()))
     steps_seen = []
     if trace is not None:
-        trace.on, steps_seen = False, trace.take()
+        steps_seen = trace.stop()
     return Run(end - t0, end - t1, total - n1, steps, [Outputs(tokens[r.request_id]) for r in requests],
                [tuple(r.prompt_ids) for r in requests], steps_seen)
 

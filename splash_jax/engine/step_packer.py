@@ -19,6 +19,7 @@ previous step's sampled tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -95,27 +96,37 @@ class StepShape:
         return self.devices * self.requests if self.owner_rows else self.requests
 
     def replicated_spec(self) -> BufferSpec:
-        t, r = self.total_tokens, self.rows
-        sampling = SamplingInputs.host(r, self.widths)
-        fields = [Field(n, (t,), np.int32) for n in ("tokens", "positions", "src_row", "token_slot", "prompt_len")]
-        fields.append(Field("logits_index", (r,), np.int32))
-        for f in dataclasses.fields(SamplingInputs):
-            a = getattr(sampling, f.name)
-            fields.append(Field("s_" + f.name, a.shape, a.dtype))
-        if self.variants:  # ahead verify chunks (pack_ahead): each token's logits row, each row's shift
-            fields += [Field("tok_row", (t,), np.int32), Field("row_shift", (r,), np.int32),
-                       Field("var_draft", (self.variants, r), np.int32)]
-        return BufferSpec(tuple(fields))
+        return _replicated_spec(self)  # (built once per shape: packing asks every step)
 
     def device_spec(self) -> BufferSpec:
-        t, g = self.tokens, self.segments
-        return BufferSpec((
-            Field("token_request", (t,), np.int32), Field("write_offset", (t,), np.int32),
-            Field("write_page", (g, t), np.int32), Field("kv_lens", (g, t), np.int32),
-            Field("page_table", (g, self.requests, self.pages), np.int32),
-        ) + ((Field("prefill_span", (self.spans, 2), np.int32),) if self.expanded else ())
-          + ((Field("var_page", (g, 2, self.rows), np.int32), Field("var_before", (g, 2, self.rows), np.int32))
-             if self.variants else ()))
+        return _device_spec(self)
+
+
+@functools.cache
+def _replicated_spec(shape: StepShape) -> BufferSpec:
+    t, r = shape.total_tokens, shape.rows
+    sampling = SamplingInputs.host(r, shape.widths)
+    fields = [Field(n, (t,), np.int32) for n in ("tokens", "positions", "src_row", "token_slot", "prompt_len")]
+    fields.append(Field("logits_index", (r,), np.int32))
+    for f in dataclasses.fields(SamplingInputs):
+        a = getattr(sampling, f.name)
+        fields.append(Field("s_" + f.name, a.shape, a.dtype))
+    if shape.variants:  # ahead verify chunks (pack_ahead): each token's logits row, each row's shift
+        fields += [Field("tok_row", (t,), np.int32), Field("row_shift", (r,), np.int32),
+                   Field("var_draft", (shape.variants, r), np.int32)]
+    return BufferSpec(tuple(fields))
+
+
+@functools.cache
+def _device_spec(shape: StepShape) -> BufferSpec:
+    t, g = shape.tokens, shape.segments
+    return BufferSpec((
+        Field("token_request", (t,), np.int32), Field("write_offset", (t,), np.int32),
+        Field("write_page", (g, t), np.int32), Field("kv_lens", (g, t), np.int32),
+        Field("page_table", (g, shape.requests, shape.pages), np.int32),
+    ) + ((Field("prefill_span", (shape.spans, 2), np.int32),) if shape.expanded else ())
+      + ((Field("var_page", (g, 2, shape.rows), np.int32), Field("var_before", (g, 2, shape.rows), np.int32))
+         if shape.variants else ()))
 
 
 def step_buffer(rep: np.ndarray, dev: np.ndarray) -> np.ndarray:

@@ -1,0 +1,36 @@
+"""Per-step records of an engine's run, for benchmarks that must say where time went (which steps
+were slow, at which draft level, with how many requests), not only how long the run took."""
+
+from __future__ import annotations
+
+import time
+
+
+class StepTrace:
+    """Each completed step of an engine while on: milliseconds since the previous completion, tokens
+    it output, requests in it, and the draft budget's level for it (None: not chosen by the budget).
+    It wraps the engine's completion hook, so what it times is what the engine's own timeline sees."""
+
+    def __init__(self, engine):
+        self.engine, self.steps, self.on = engine, [], False
+        inner, self._last = engine._complete, None
+
+        def complete(step, back_to_back=False):
+            out = inner(step, back_to_back)
+            if self.on:
+                now = time.perf_counter()
+                key = step.draft_key
+                self.steps.append((round((now - self._last) * 1e3, 3) if self._last else None,
+                                   sum(len(o.new_token_ids) for o in out), len(step.chunks), key[1] if key else None))
+                self._last = now
+            return out
+
+        engine._complete = complete
+
+    def start(self) -> None:
+        self.steps, self._last, self.on = [], None, True
+
+    def stop(self) -> list[tuple]:
+        """The steps since start(): (ms since the previous, tokens, requests, level); the first has None ms."""
+        steps, self.steps, self._last, self.on = self.steps, [], None, False
+        return steps
