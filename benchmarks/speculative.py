@@ -19,7 +19,11 @@ to K = 0's. A cell is --repeats pairs of runs, speculation off then on, back to 
 speedup is the median of the pairs' ratios (a short run on a small model moves by 30% from run
 to run, and drift between pairs cancels). With --speculative-adaptive (the default) each
 speculative run follows an unmeasured one of the same requests that trains the engine's draft
-budget, as a server's has been trained long before. Writes JSON to benchmarks/results/.
+budget, as a server's has been trained long before. `speedup` is the whole closed batch, which
+ends when its slowest request does: drafts kept unevenly leave a drain of a few requests in
+small steps. `full_batch_speedup` is tokens per second over the steps in which every request
+decoded (the steady state a server at that concurrency sees). --trace keeps each timed run's
+steps. Writes JSON to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import parse_engine_and_bench, table, write_results
-from benchmarks.step_trace import StepTrace
+from benchmarks.step_trace import StepTrace, full_batch_rate
 from splash_jax.engine import Engine, SamplingParams
 
 log = logging.getLogger("benchmarks.speculative")
@@ -87,12 +91,14 @@ def divergence(outs, refs) -> tuple[int, int | None]:
     return len(firsts), (min(firsts) if firsts else None)
 
 
-TRACES: dict[int, StepTrace] = {}  # --trace: by id(engine)
+TRACES: dict[int, StepTrace] = {}  # every engine's step trace, by id(engine)
 STEPS: list[dict] = []  # --trace: each timed run's steps
+KEEP_STEPS = False  # --trace
 
 
-def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = None) -> tuple[float, list]:
-    """The prompts to completion; `timed` names a measured run (its steps are kept with --trace)."""
+def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = None) -> tuple[float, list, float | None]:
+    """The prompts to completion -> (seconds, outputs, full-batch tok/s); `timed` names a measured
+    run (its steps are kept with --trace)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     trace = TRACES.get(id(engine)) if timed else None
     if trace is not None:
@@ -100,32 +106,37 @@ def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = N
     t = time.perf_counter()
     outs = engine.generate(texts, params)
     seconds = time.perf_counter() - t
-    if trace is not None:
-        STEPS.append({"run": timed, "batch": len(texts), "seconds": seconds, "steps": trace.stop()})
-    return seconds, outs
+    steps = trace.stop() if trace is not None else []
+    if steps and KEEP_STEPS:
+        STEPS.append({"run": timed, "batch": len(texts), "seconds": seconds, "steps": steps})
+    return seconds, outs, full_batch_rate(steps, len(texts))
 
 
-def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int) -> tuple[float, list, dict]:
-    """One timed run (after an unmeasured one when an adaptive draft budget has to learn)."""
+def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int):
+    """One timed run (after an unmeasured one when an adaptive draft budget has to learn) ->
+    (seconds, outputs, speculative stats, full-batch tok/s)."""
     engine.set_speculative(method if k else "off", k or None)
     if k and engine.config.speculative_adaptive:
         engine.reset_prefix_cache()
         run(engine, texts, max_tokens)  # trains the budget (its first steps try each level)
     engine.reset_prefix_cache()  # every run prefills its prompts
-    seconds, outs = run(engine, texts, max_tokens, timed=f"{method} K={k}")
-    return seconds, outs, engine.stats()["speculative"] or {}
+    seconds, outs, full = run(engine, texts, max_tokens, timed=f"{method} K={k}")
+    return seconds, outs, engine.stats()["speculative"] or {}, full
 
 
 def cell(engine: Engine, base_engine: Engine, method: str, k: int, texts: list[str], bench: SpecBench):
     """--repeats pairs (off, then this method at K): (median ratio, median seconds, outputs, stats,
-    off seconds per pair, on seconds per pair)."""
-    offs, ons, outs, spec = [], [], None, {}
+    off seconds per pair, on seconds per pair, median ratio of the full-batch rates)."""
+    offs, ons, fulls, outs, spec = [], [], [], None, {}
     for _ in range(bench.repeats):
-        offs.append(measure(base_engine, "off", 0, texts, bench.max_tokens)[0])
-        seconds, outs, spec = measure(engine, method, k, texts, bench.max_tokens)
+        off_s, _, _, off_full = measure(base_engine, "off", 0, texts, bench.max_tokens)
+        seconds, outs, spec, on_full = measure(engine, method, k, texts, bench.max_tokens)
+        offs.append(off_s)
         ons.append(seconds)
+        if off_full and on_full:
+            fulls.append(on_full / off_full)
     ratio = float(np.median([a / b for a, b in zip(offs, ons)]))
-    return ratio, float(np.median(ons)), outs, spec, offs, ons
+    return ratio, float(np.median(ons)), outs, spec, offs, ons, (float(np.median(fulls)) if fulls else None)
 
 
 def main(argv=None):
@@ -139,8 +150,9 @@ def main(argv=None):
     if "mtp" in methods:
         engines["mtp"] = Engine(dataclasses.replace(config, speculative_method="mtp", speculative_tokens=k_max))
     base_engine = engines["ngram"]
-    if bench.trace:
-        TRACES.update({id(e): StepTrace(e) for e in engines.values()})
+    global KEEP_STEPS
+    KEEP_STEPS = bench.trace
+    TRACES.update({id(e): StepTrace(e) for e in engines.values()})
     rows = []
     for workload in bench.workloads.split(","):
         first_base = None  # K = 0 outputs at the first batch: the same prompts lead every larger batch
@@ -149,23 +161,23 @@ def main(argv=None):
             for engine in engines.values():
                 engine.set_speculative("off")
                 run(engine, texts, 8)  # first runs of this batch's buckets
-            base_s, base, _ = measure(base_engine, "off", 0, texts, bench.max_tokens)
+            base_s, base, _, _ = measure(base_engine, "off", 0, texts, bench.max_tokens)
             # the noise floor: one token per step, only the batch around these prompts changed
             differ, first_diff = divergence(base, first_base) if first_base is not None else (None, None)
             first_base = first_base if first_base is not None else base
-            runs = [("off", 0, 1.0, base_s, base, {}, differ, first_diff, [base_s], [])]
+            runs = [("off", 0, 1.0, base_s, base, {}, differ, first_diff, [base_s], [], 1.0)]
             for method in methods:
                 for k in (k for k in drafts if k):
-                    ratio, seconds, outs, spec, offs, ons = cell(engines[method], base_engine, method, k, texts, bench)
-                    runs.append((method, k, ratio, seconds, outs, spec, *divergence(outs, base), offs, ons))
+                    ratio, seconds, outs, spec, offs, ons, full = cell(engines[method], base_engine, method, k, texts, bench)
+                    runs.append((method, k, ratio, seconds, outs, spec, *divergence(outs, base), offs, ons, full))
             for s in STEPS:
                 s.setdefault("workload", workload)
-            for method, k, ratio, seconds, outs, spec, differ, first_diff, offs, ons in runs:
+            for method, k, ratio, seconds, outs, spec, differ, first_diff, offs, ons, full in runs:
                 tokens = sum(len(o.token_ids) for o in outs)
                 adaptive = spec.get("adaptive") or {}
                 rows.append({
                     "workload": workload, "batch": batch, "method": method, "K": k, "tok_per_s": tokens / seconds,
-                    "speedup": ratio, "tokens": tokens,
+                    "speedup": ratio, "full_batch_speedup": full, "tokens": tokens,
                     "acceptance": spec.get("acceptance_rate"), "accepted_per_step": spec.get("mean_accepted_per_step"),
                     "histogram": spec.get("accepted_histogram"),
                     "mean_k": adaptive.get("mean_k"), "budget": adaptive or None,
@@ -175,7 +187,8 @@ def main(argv=None):
                     "requests_differing": differ, "first_difference_at": first_diff,
                 })
                 log.info("%s batch %d %s K=%d: %.1f tok/s, %.3fx", workload, batch, method, k, tokens / seconds, ratio)
-    print(table(rows, ["workload", "batch", "method", "K", "tok_per_s", "speedup", "acceptance", "accepted_per_step",
+    print(table(rows, ["workload", "batch", "method", "K", "tok_per_s", "speedup", "full_batch_speedup", "acceptance",
+                       "accepted_per_step",
                        "mean_k", "requests_differing", "first_difference_at"]))
     dtype = str(base_engine.page_dtype)
     write_results("speculative", {"config": dataclasses.asdict(bench), "dtype": dtype, "engine": {

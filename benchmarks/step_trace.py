@@ -34,3 +34,12 @@ class StepTrace:
         """The steps since start(): (ms since the previous, tokens, requests, level); the first has None ms."""
         steps, self.steps, self._last, self.on = self.steps, [], None, False
         return steps
+
+
+def full_batch_rate(steps: list[tuple], batch: int) -> float | None:
+    """Tokens per second over the steps in which all `batch` requests decoded (a closed batch's
+    steady state, before its drain: once requests finish at different steps, as they do when
+    drafts are kept unevenly, the last ones run in small, inefficient steps)."""
+    full = [(ms, tokens) for ms, tokens, rows, _ in steps if ms is not None and rows == batch and tokens]
+    ms = sum(m for m, _ in full)
+    return sum(t for _, t in full) / ms * 1e3 if ms else None
