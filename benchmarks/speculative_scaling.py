@@ -82,6 +82,7 @@ class Run:
     outs: list[Outputs]
     prompts: list[tuple[int, ...]]  # as the requests hold them (the drafter's keys)
     steps: list[tuple] = dataclasses.field(default_factory=list)  # --trace: (ms since the last, tokens, rows, level)
+    host: dict = dataclasses.field(default_factory=dict)  # StepTrace.host(): CPU per step, garbage collections
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int, trace: StepTrace | None = None) -> Run:
@@ -112,11 +113,11 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int, trace: StepTr
             t1, n1 = time.perf_counter(), sum(map(len, tokens.values()))
     end = time.perf_counter()
     total = sum(map(len, tokens.values()))
-    steps_seen = []
+    steps_seen, host = [], {}
     if trace is not None:
-        steps_seen = trace.stop()
+        steps_seen, host = trace.stop(), trace.host()
     return Run(end - t0, end - t1, total - n1, steps, [Outputs(tokens[r.request_id]) for r in requests],
-               [tuple(r.prompt_ids) for r in requests], steps_seen)
+               [tuple(r.prompt_ids) for r in requests], steps_seen, host)
 
 
 def profile(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
@@ -229,7 +230,8 @@ def main(argv=None):
                         if bench.trace:
                             budget = (engine.stats()["speculative"] or {}).get("adaptive")
                             traces.append({"batch": batch, "mode": mode, "acceptance": p, "K": k, "pair": pair,
-                                           "off": off.steps, "on": r.steps, "budget": budget})
+                                           "off": off.steps, "on": r.steps, "budget": budget,
+                                           "off_host": off.host, "on_host": r.host})
                     spec = engine.stats()["speculative"] or {}
                     prof = profile(engine, prompts, bench.profile_steps) if bench.profile_steps else {}
                     ratio = float(np.median([b / a for a, b in zip(offs, ons)]))

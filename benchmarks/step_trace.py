@@ -3,6 +3,7 @@ were slow, at which draft level, with how many requests), not only how long the 
 
 from __future__ import annotations
 
+import gc
 import time
 
 
@@ -14,6 +15,18 @@ class StepTrace:
     def __init__(self, engine):
         self.engine, self.steps, self.on = engine, [], False
         inner, self._last = engine._complete, None
+        self.gc_ms, self.gc_runs, self._gc_t0 = 0.0, 0, 0.0  # garbage collections while on: their pauses
+
+        def collecting(phase, info):
+            if not self.on:
+                return
+            if phase == "start":
+                self._gc_t0 = time.perf_counter()
+            else:
+                self.gc_ms += (time.perf_counter() - self._gc_t0) * 1e3
+                self.gc_runs += 1
+
+        gc.callbacks.append(collecting)
 
         def complete(step, back_to_back=False):
             out = inner(step, back_to_back)
@@ -29,11 +42,20 @@ class StepTrace:
 
     def start(self) -> None:
         self.steps, self._last, self.on = [], None, True
+        self.gc_ms, self.gc_runs = 0.0, 0
+        self.engine.timeline.reset()
 
     def stop(self) -> list[tuple]:
         """The steps since start(): (ms since the previous, tokens, requests, level); the first has None ms."""
         steps, self.steps, self._last, self.on = self.steps, [], None, False
         return steps
+
+    def host(self) -> dict:
+        """The run's host side: the engine thread's CPU time per decode step (p50, from its own
+        timeline) and the garbage collections' count and pauses."""
+        decode = self.engine.timeline.summary()["decode_only"]
+        return {"host_cpu_p50_ms": decode.get("host_cpu_p50_ms"), "interval_p50_ms": decode.get("p50_ms"),
+                "gc_runs": self.gc_runs, "gc_ms": round(self.gc_ms, 3)}
 
 
 def full_batch_rate(steps: list[tuple], batch: int) -> float | None:

@@ -151,6 +151,10 @@ class Scheduler(Admission, SpeculativeScheduling):
         # ahead_drafts drafts (StepShape.variants - 1).
         self.speculate_ahead, self.ahead_drafts = False, 0
         self.drafting_paused = False  # no drafts this step (a layout switch runs under overlapped speculation)
+        # The last step scheduled verifies drafts: with overlap, only its chunks can still be on
+        # the device when the next is scheduled, so False means no request awaits a verify (the
+        # scan for ahead chunks is skipped: at level 0 a step costs the host what it costs off).
+        self.drafts_in_flight = False
         self.set_speculation(None, 0)
         self.max_model_len = max_model_len
         self.eos_ids = set(eos_ids)
@@ -213,7 +217,7 @@ class Scheduler(Admission, SpeculativeScheduling):
         todo = [r for r in self.running if r.num_tokens > r.num_computed]
         decoding = [r for r in todo if r.num_tokens - r.num_computed == 1 and not self.sampling_done(r)]
         prefilling = [r for r in todo if r.num_tokens - r.num_computed > 1]
-        if self.speculate_ahead:  # behind a verify chunk still on the device (scheduled as decodes)
+        if self.speculate_ahead and self.drafts_in_flight:  # behind a verify chunk still on the device (as decodes)
             decoding += [r for r in self.running if self._goes_ahead(r)]
         drafts = self._propose(decoding, min(budget, rows))
         order = self.prefill_order  # engine/prefill_order.py: prefill work in order, its cap beside decodes
@@ -265,6 +269,7 @@ class Scheduler(Admission, SpeculativeScheduling):
             for c in chunks:
                 if c.samples and c.request.status == Status.RUNNING:
                     self.allocate(c.request, min(c.end + self.lookahead, self.max_model_len))
+        self.drafts_in_flight = any(c.drafts for c in chunks)
         return SchedulerOutput(chunks, preempted)
 
     def _admit_waiting(self, limit, budget: int, rows: int, chunks: list, scheduled: set, deferred: list):

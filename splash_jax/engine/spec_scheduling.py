@@ -67,16 +67,18 @@ class SpeculativeScheduling:
         """Drafts per decoding request (by id) within the `room` rows left once each decoding
         request has its own, in decode order. An ahead request (awaits_verify) gets a tuple of variants
         (speculative.propose_ahead), possibly of no drafts."""
-        if self.drafter is None or self.drafting_paused:
+        if self.drafter is None or self.drafting_paused or not decoding:
             return {}
+        budget = self.draft_budget
+        # a seeded sampled request keeps its K: which token a row draws depends on its draft, so a
+        # K that followed the batch would make its output depend on the batch
+        fixed = [r.params.seed is not None and r.params.temperature > 0 for r in decoding] if budget else []
+        if budget is not None and not budget.choose_level(len(decoding)) and not self.drafts_in_flight and not any(fixed):
+            return {}  # level 0, and no verify chunk on the device to go ahead of: as with speculation off
         spare = room - len(decoding)
         limits = [self._draft_limit(r) for r in decoding]
-        if self.draft_budget is not None:
-            # a seeded sampled request keeps its K: which token a row draws depends on its draft,
-            # so a K that followed the batch would make its output depend on the batch
-            fixed = [r.params.seed is not None and r.params.temperature > 0 for r in decoding]
-            chosen = self.draft_budget.choose([r.acceptance.alpha for r in decoding],
-                                              [0 if f else k for f, k in zip(fixed, limits)])
+        if budget is not None:
+            chosen = budget.caps([r.acceptance.alpha for r in decoding], [0 if f else k for f, k in zip(fixed, limits)])
             limits = [k if f else c for f, k, c in zip(fixed, limits, chosen)]
         out = {}
         for r, k in zip(decoding, limits):

@@ -53,6 +53,11 @@ class StepTimeline:
         self._open = False  # the last record still waits for its step() call's host time
         self.gaps = 0  # completions after an idle wait (interval not recorded)
 
+    def reset(self) -> None:
+        """Forget every record (a benchmark's runs, one at a time); the next completion is a gap."""
+        self._records.clear()
+        self._last_done, self._open = None, False
+
     def completed(self, now: float, chunks, back_to_back: bool) -> StepRecord | None:
         """A step completed at `now`; `back_to_back`: the previous step() call completed one too.
         -> its record (None: not back to back)."""
