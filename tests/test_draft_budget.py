@@ -152,3 +152,27 @@ def test_the_engine_turns_drafts_off_when_they_are_always_rejected(engine, p):
     else:  # every level measured, then K = 3 (4 tokens a step) for the rest
         assert spec["adaptive"]["mean_k"] > 1.8 and spec["mean_accepted_per_step"] > 2.0, spec
         assert spec["adaptive"]["level"] == 3, spec
+
+
+def test_at_level_0_a_step_does_no_drafting_work(engine, monkeypatch):
+    """Level 0 is speculation off on the host too: with no verify chunk on the device the scheduler
+    asks no request for its draft limit and no drafter for drafts, and outputs are those of off."""
+    from splash_jax.engine import draft_budget, spec_scheduling
+
+    prompt = "def add(a, b):\n    return a + b\n"
+    engine.set_speculative("off")
+    want = engine.generate([prompt, prompt + "#"], SamplingParams(max_tokens=24))
+    calls = []
+    limit = spec_scheduling.SpeculativeScheduling._draft_limit
+    monkeypatch.setattr(spec_scheduling.SpeculativeScheduling, "_draft_limit",
+                        lambda self, r: calls.append(r) or limit(self, r))
+    monkeypatch.setattr(draft_budget._Levels, "pick", lambda self: 0)
+    engine.set_speculative("ngram")
+    try:
+        got = engine.generate([prompt, prompt + "#"], SamplingParams(max_tokens=24))
+        spec = engine.stats()["speculative"]
+    finally:
+        monkeypatch.undo()
+        engine.set_speculative("ngram")
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert calls == [] and spec["verify_chunks"] == 0 and spec["adaptive"]["steps_without_drafts"] > 20, spec
