@@ -127,7 +127,7 @@ def main(argv=None):
     for workload, s, texts in cells:
         engine.set_speculative("off")
         speculative.run(engine, texts, 8)  # first runs of this batch's buckets
-        ratio, _, outs, stats, offs, ons = speculative.cell(engine, engine, "ngram", args.drafts, texts, bench)
+        ratio, _, outs, stats, offs, ons, _ = speculative.cell(engine, engine, "ngram", args.drafts, texts, bench)
         tpot_off, ids_off = off["cells"][(workload, s)]
         tpot_on, ids_on = ngram["cells"][(workload, s)]
         rows.append({
