@@ -92,8 +92,7 @@ def divergence(outs, refs) -> tuple[int, int | None]:
 
 
 TRACES: dict[int, StepTrace] = {}  # every engine's step trace, by id(engine)
-STEPS: list[dict] = []  # --trace: each timed run's steps
-KEEP_STEPS = False  # --trace
+STEPS: list[dict] = []  # each timed run's steps (in the JSON with --trace)
 
 
 def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = None) -> tuple[float, list, float | None]:
@@ -107,7 +106,7 @@ def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = N
     outs = engine.generate(texts, params)
     seconds = time.perf_counter() - t
     steps = trace.stop() if trace is not None else []
-    if steps and KEEP_STEPS:
+    if steps:
         STEPS.append({"run": timed, "batch": len(texts), "seconds": seconds, "steps": steps})
     return seconds, outs, full_batch_rate(steps, len(texts))
 
@@ -150,8 +149,6 @@ def main(argv=None):
     if "mtp" in methods:
         engines["mtp"] = Engine(dataclasses.replace(config, speculative_method="mtp", speculative_tokens=k_max))
     base_engine = engines["ngram"]
-    global KEEP_STEPS
-    KEEP_STEPS = bench.trace
     TRACES.update({id(e): StepTrace(e) for e in engines.values()})
     rows = []
     for workload in bench.workloads.split(","):
@@ -193,7 +190,7 @@ def main(argv=None):
     dtype = str(base_engine.page_dtype)
     write_results("speculative", {"config": dataclasses.asdict(bench), "dtype": dtype, "engine": {
         k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows}
-        | ({"traces": STEPS} if STEPS else {}))
+        | ({"traces": STEPS} if bench.trace else {}))
     check_identical(any(r["identical"] is False for r in rows), dtype, "compare the K = 0 rows, where only the batch changed")
 
 

@@ -17,8 +17,8 @@ current best level of the nearest bucket that has: a batch passing through (the 
 batch of requests, where every step has fewer requests than the last) neither pays for trying
 levels there nor keeps readings of a batch that shrank while they were taken (on an H200 at
 acceptance 0.3, the drain of a batch of 128 measured 64-127 requests once, at level 3 early in
-the drain and level 0 late, and ran level 3 there since). Then every EXPLORE_EVERY steps it runs another level for EXPLORE_STEPS measured steps,
-in turn level 0 (the level the others must beat by OFF_MARGIN), a neighbour above and one below,
+the drain and level 0 late, and ran level 3 there since). Then every EXPLORE_EVERY steps it
+runs another level for EXPLORE_STEPS measured steps, in turn level 0 (the level the others must beat by OFF_MARGIN), a neighbour above and one below,
 its rate then from those steps alone (never an old reading), so a change of load or acceptance
 moves it; while the best level holds, the period doubles up to MAX_EXPLORE_EVERY (what
 exploring a losing level costs shrinks). Level 0 is speculation off (plain overlapped steps).

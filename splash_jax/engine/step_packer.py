@@ -129,6 +129,12 @@ def _device_spec(shape: StepShape) -> BufferSpec:
          if shape.variants else ()))
 
 
+def offsets_in_runs(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each run of c items, concatenated ([2, 3] -> [0, 1, 0, 1, 2])."""
+    counts = np.asarray(counts, np.int64)
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def step_buffer(rep: np.ndarray, dev: np.ndarray) -> np.ndarray:
     """A step's packed buffers as the one [N, R + D] int32 buffer the step program takes: row i is
     the replicated part followed by device i's. One transfer per step instead of two (each costs
@@ -280,7 +286,7 @@ def pack_step(
         raise ValueError(f"step needs {row[-1] + 1} logits rows; its bucket has {shape.rows}")
 
     chunk_of = np.repeat(np.arange(num), lengths)
-    offset = np.arange(int(lengths.sum())) - np.repeat(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) if num else np.zeros(0, np.int64)
+    offset = offsets_in_runs(lengths)
     pos = starts[chunk_of] + offset
     gslot = base[chunk_of] + offset  # slot in the step's token arrays
     t_total, rows_total = shape.total_tokens, shape.rows
@@ -319,18 +325,18 @@ def pack_step(
     if verify:  # verify rows, all at once: row j of a chunk of k drafts draws output token j
         vi = np.asarray(verify)
         counts = nrows[vi]  # k + 1
-        of = np.repeat(vi, counts)
-        j = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        vrows = row[of] - np.repeat(counts - 1, counts) + j
-        slot_sampling.rows(sampling, vrows, slots[of], generated[of] + j)
-        sampling.draft[vrows[j < np.repeat(counts - 1, counts)]] = np.concatenate([chunks[i].drafts for i in verify])
+        of, at = np.repeat(vi, counts), offsets_in_runs(counts)  # each verify row's chunk, its index in it
+        k_of = np.repeat(counts - 1, counts)
+        vrows = row[of] - k_of + at
+        slot_sampling.rows(sampling, vrows, slots[of], generated[of] + at)
+        sampling.draft[vrows[at < k_of]] = np.concatenate([chunks[i].drafts for i in verify])
     prompt_rows = []
     if all_logits:
         logits_index[: len(gslot)] = gslot
     else:
         logits_index[row] = base + lengths - 1
         if verify:
-            logits_index[vrows] = base[of] + j
+            logits_index[vrows] = base[of] + at
         lp_start = np.fromiter((c.lp_start for c in chunks), np.int64, num)
         for i in np.flatnonzero(lp_start >= 0):  # prompt logprobs: row r of position p scores prompt token p + 1
             c = chunks[i]
@@ -410,7 +416,7 @@ def pack_ahead(shape: StepShape, chunks: Sequence, tables: PageTables, row: np.n
         firsts = (row[idx] - nrows[idx] + 1).astype(np.int64)
         counts = ks + 1
         which = np.repeat(np.arange(len(ahead)), counts)  # each ahead token's chunk (of `ahead`)
-        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        offset = offsets_in_runs(counts)
         rows = firsts[which] + offset  # each ahead token's logits row
         tok_row[first_slot[idx][which] + offset] = rows
         row_shift[rows] = np.fromiter((chunks[i].request.pending_row for i in ahead), np.int64, len(ahead))[which]
