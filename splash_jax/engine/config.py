@@ -153,7 +153,7 @@ class EngineConfig:
     def speculative_variants(self) -> int:
         """Draft variants an ahead verify chunk carries (1 + K; engine/speculative.py): fixed at
         start-up with the step programs' shapes, so set_speculative overlaps K up to this less one."""
-        return 1 + self.speculative_tokens if self.speculative_k and self.speculative_method != "mtp" else 0
+        return 1 + self.speculative_tokens if self.speculative_k else 0
 
     @property
     def speculative_k(self) -> int:

@@ -21,7 +21,7 @@ from splash_jax.engine.inflight import InFlight, collect_prompt_logprobs
 from splash_jax.engine.request import Request, Status
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk
-from splash_jax.engine.step_packer import pack_step
+from splash_jax.engine.step_packer import DEVICE_DRAFT, pack_step
 from splash_jax.kv.page_copy import pack_copies
 from splash_jax.structured.reasoning_gate import needs_masks
 
@@ -154,7 +154,7 @@ class DeviceSteps:
             return []
         try:
             t = time.perf_counter()
-            tokens = np.asarray(step.result.tokens)
+            tokens = np.asarray(step.result.tokens)[0]  # by logits row (token_vector's row 0)
             self._last_wait_s = time.perf_counter() - t
             self.device_wait_s += self._last_wait_s
             r = step.result
@@ -193,7 +193,9 @@ class DeviceSteps:
 
     def _record_drafts(self, step: InFlight) -> None:
         """The MTP drafts the device computed after this step: each request that sampled in it
-        continues from them in its next step (speculative.MtpDrafter)."""
+        continues from them in its next step (speculative.MtpDrafter). A next step already
+        dispatched (overlapped scheduling) read them on the device; its chunk learns them here,
+        before its own tokens are applied."""
         try:
             drafts = self.mtp.take(step.chunks)
         except Exception as e:  # noqa: BLE001 - its draft program failed: no drafts (the next step fails and recovers)
@@ -202,6 +204,9 @@ class DeviceSteps:
         for request, d in drafts or ():
             if not request.is_finished:
                 self.mtp_drafter.record(request, d)
+                for c in request.unapplied:  # the next step's chunk read them on the device: now the host knows them too
+                    if c.drafts and c.drafts[0] <= DEVICE_DRAFT:
+                        c.drafts = tuple(int(t) for t in d[: len(c.drafts)])
         self.mtp_drafter.prune()
 
     def _fail(self, request: Request, message: str) -> None:

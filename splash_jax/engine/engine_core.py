@@ -160,7 +160,7 @@ class EngineCore(DeviceSteps, SpeculationControl):
         self.allocator = PageAllocator(self.n, per_device, config.page_size, extra)
         if k:
             log.info("speculative decoding: %s, %d drafts per request per step (steps %s)", config.speculative_method, k,
-                     "overlap" if config.speculative_variants else "run without overlap: MTP drafts need every step's tokens")
+                     "overlap" if config.speculative_variants else "run without overlap")
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.layout.kv_placement,
             self.max_model_len, self.pages_per_request, self.eos_ids, config.enable_chunked_prefill,
@@ -189,6 +189,7 @@ class EngineCore(DeviceSteps, SpeculationControl):
 
             self.executor.mtp_hidden = True  # the step programs also return the hidden states
             self.mtp = MtpDraftRunner(self.executor, k, config.page_size, dtype)
+            self.mtp_drafter.runner = self.mtp  # drafts behind a step in flight stay on the device
         if config.warmup:  # with switching, every layout's steps: a switch must never compile
             self.executor.compile_all(layouts, moving=config.enable_switching, threads=config.compile_threads)
             confirm_plan(self.pool_plan, self.executor.memory_summary())

@@ -72,13 +72,14 @@ class StepExecutor(SamplerPrograms):
     mtp_hidden = False
     step_hidden = None
     step_inputs = None
+    step_prev_tokens = None  # the token vector the last step read (its draft program moves ahead chunks as it did)
 
     def __init__(
         self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
         expanded_min_tokens: int = 0, graph_scheduling: str = "concurrent", unroll_max_tokens: int = 0,
         step_input_memory: str = "device", fused_max_tokens: int = 0, expanded_spans: int = expanded.DEFAULT_SPANS,
-        spec_variants: int = 0,
+        spec_variants: int = 0, mtp_drafts: int = 0,
     ):
         self.graphdef, state = nnx.split(model)
         leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -93,6 +94,9 @@ class StepExecutor(SamplerPrograms):
         self.impl = impl
         self.widths = widths
         self.max_rows = self.n * ladder[1]  # rows of the padded sampled-token vector (token_vector), every layout
+        # Drafts per chain row the MTP draft programs write into that vector (rows 2..), where the
+        # next step reads them (overlapped MTP speculation: engine/mtp_draft.py); 0 without MTP.
+        self.mtp_drafts = mtp_drafts
         self.extra_pages_total = extra_pages_total  # size of the extra segment when it exists
         # Draft variants per ahead verify chunk (StepShape.variants; 0: steps take none)
         self.spec_variants = spec_variants if spec_variants and spec_variants <= kv.latent.shape[2] else 0
@@ -120,10 +124,10 @@ class StepExecutor(SamplerPrograms):
             self.penalties = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
                 jax.eval_shape(lambda: PenaltyState.zeros(num_slots, vocab)))
-            self.prev_tokens = jax.ShapeDtypeStruct((2 * self.max_rows,), jnp.int32, sharding=self.replicated)
+            self.prev_tokens = jax.ShapeDtypeStruct(self.token_vector_shape, jnp.int32, sharding=self.replicated)
         else:
             self.penalties = PenaltyState.zeros(num_slots, vocab, self.replicated)
-            self.prev_tokens = jax.device_put(np.zeros(2 * self.max_rows, np.int32), self.replicated)
+            self.prev_tokens = self._zero_tokens()
         self._compiled: dict[tuple[str, Bucket, bool, bool, bool, SamplerMode | None], object] = {}
         self._samplers: dict[tuple[int, SamplerMode], object] = {}  # (logits rows, mode) -> compiled
         self._open_masks: dict[int, jax.Array] = {}  # logits rows -> all-ones token mask on the device
@@ -260,7 +264,7 @@ class StepExecutor(SamplerPrograms):
         fused = mode is not None
         shape = self.shape(layout, bucket, expanded)
         ctx = ShardedContext(layout, self.n, self.impl)
-        graphdef, treedef, max_rows = self.graphdef, self.treedef, self.max_rows
+        graphdef, treedef, max_rows, draft_rows = self.graphdef, self.treedef, self.max_rows, self.mtp_drafts
         hidden_out = self.mtp_hidden
         spec = bool(self.spec_variants)  # accepted counts only where ahead chunks read them
 
@@ -287,7 +291,7 @@ class StepExecutor(SamplerPrograms):
                 out = sample(logits, sampling, penalties, full=True, mode=mode, mask=mask)
             else:
                 out = sample(logits, sampling, None, full=False)
-            tokens = token_vector(out.tokens, sampling.draft if spec else None, max_rows)
+            tokens = token_vector(out.tokens, sampling.draft if spec else None, max_rows, draft_rows)
             return (StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties) + extra
 
         param_specs_ = tuple(layout.param_spec(p) for p in self.paths)
@@ -339,7 +343,7 @@ class StepExecutor(SamplerPrograms):
     def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
               mode: SamplerMode | None = None):
         fn, shape = self._program(layout, bucket, moving, full, expanded, mode)
-        prev = jax.ShapeDtypeStruct((2 * self.max_rows,), jnp.int32, sharding=self.replicated)
+        prev = jax.ShapeDtypeStruct(self.token_vector_shape, jnp.int32, sharding=self.replicated)
         pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
         args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev,
                 self.step_input_abstract(shape, full and mode is None)]
@@ -513,9 +517,10 @@ class StepExecutor(SamplerPrograms):
             inputs.append(self.open_mask(self.shape(self.layout, bucket, expanded).rows))
         if move is not None:
             inputs.append(jax.device_put(move, self.per_device))
-        out, self.kv, self.penalties, *hidden = program(tuple(self.params), self.kv, self.penalties, self.prev_tokens, *inputs)
+        prev = self.prev_tokens
+        out, self.kv, self.penalties, *hidden = program(tuple(self.params), self.kv, self.penalties, prev, *inputs)
         if self.mtp_hidden:
-            self.step_hidden, self.step_inputs = hidden[0], inputs
+            self.step_hidden, self.step_inputs, self.step_prev_tokens = hidden[0], inputs, prev
         if defer:
             return out
         return self.sample(out, mode) if apart else self._sampled(out)
@@ -527,6 +532,14 @@ class StepExecutor(SamplerPrograms):
         mask = self.open_mask(rows) if mask is None else jax.device_put(mask, self.replicated)
         return self._sampled(self.sampler_program(rows, mode)(step, self.penalties, mask))
 
+    @property
+    def token_vector_shape(self) -> tuple[int, int]:
+        """prev_tokens: [2 + mtp_drafts, max_rows] (step_programs.token_vector)."""
+        return (2 + self.mtp_drafts, self.max_rows)
+
+    def _zero_tokens(self) -> jax.Array:
+        return jax.device_put(np.zeros(self.token_vector_shape, np.int32), self.replicated)
+
     def _sampled(self, out: StepResult) -> StepResult:
         self.prev_tokens = out.tokens
         return out
@@ -534,7 +547,7 @@ class StepExecutor(SamplerPrograms):
     def reset_sampling_state(self) -> None:
         """Zero the penalty history and the previous step's tokens (the pool is left as it is)."""
         self.penalties = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self.replicated), self.penalties)
-        self.prev_tokens = jax.device_put(np.zeros(2 * self.max_rows, np.int32), self.replicated)
+        self.prev_tokens = self._zero_tokens()
 
     def reset_device_state(self) -> None:
         """After a failed step the donated pool may be gone: start from an empty pool (callers recompute)."""
@@ -542,4 +555,4 @@ class StepExecutor(SamplerPrograms):
             lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)(), self.kv_abstract(self.layout)
         )
         self.penalties = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self.replicated), self.penalties)
-        self.prev_tokens = jax.device_put(np.zeros(2 * self.max_rows, np.int32), self.replicated)
+        self.prev_tokens = self._zero_tokens()

@@ -65,7 +65,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from splash_jax.attention.layouts import ShardedContext
-from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, split_step_buffer, unpack_step
+from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, row_shifts, split_step_buffer, unpack_step
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
 from splash_jax.mtp import greedy_tokens, lm_head, mtp_layer_output
@@ -84,8 +84,10 @@ class MtpShape:
 
     @property
     def width(self) -> int:
-        """Candidate positions per chain row: s + o for o < 2K (chain j writes at s + a + j, a <= K, j < K)."""
-        return 2 * self.k
+        """Candidate positions per chain row: s + o for o < 3K. Chain j writes at s + b + a + j: a <= K
+        the drafts the chunk kept, b <= K the shift of an ahead chunk (the drafts its verify chunk
+        before it kept, known on the device only), j < K."""
+        return 3 * self.k
 
     def replicated_spec(self) -> BufferSpec:
         t, c = self.step.total_tokens, self.step.rows
@@ -170,6 +172,7 @@ class _Armed:
     layout: Layout
     key: tuple
     hidden: jax.Array
+    prev: jax.Array  # the token vector the step read
     inputs: list
     mrep: np.ndarray
     mdev: np.ndarray
@@ -182,12 +185,14 @@ class _Armed:
 class _Pending:
     chunks: list
     chain_rows: list[int]
-    drafts: jax.Array  # [rows, K] int32
+    vector: jax.Array  # the step's token vector with the drafts: [2 + K, max_rows], drafts by chain row in rows 2..
 
 
 class MtpDraftRunner:
-    """The draft programs of one engine and the drafts in flight (one step at a time: speculation
-    runs without overlap). Device state stays the executor's: the pool is replaced through
+    """The draft programs of one engine and the drafts in flight. Each draft program writes its
+    drafts into the step's token vector, which becomes the executor's prev_tokens: the next step,
+    scheduled before they reach the host (overlapped scheduling), reads them there
+    (step_packer.device_drafts). Device state stays the executor's: the pool is replaced through
     StepExecutor.apply_to_pool."""
 
     def __init__(self, executor, k: int, page_size: int, dtype):
@@ -197,7 +202,8 @@ class MtpDraftRunner:
         self.hidden_dtype = jnp.dtype(dtype)  # the step programs' hidden states: the model's dtype
         self._compiled: dict[tuple[str, object, bool], object] = {}
         self._armed: _Armed | None = None
-        self._pending: _Pending | None = None
+        self._pending: list[_Pending] = []  # steps whose drafts are not read back yet, oldest first
+        self._rows: dict = {}  # request -> its chain row in the last step armed (chain_row)
         self.num_dispatched = 0
         self.num_skipped = 0  # steps whose drafts were not computed (a layout hand-off before a deferred sampler)
 
@@ -211,13 +217,16 @@ class MtpDraftRunner:
         graphdef, treedef = ex.graphdef, ex.treedef
         rows, cq, owner_rows = shape.rows, shape.requests, shape.owner_rows
 
-        def per_device(params, kv, hidden, tokens, buf, mrep, mdev):
-            batch, sampling, _, _ = unpack_step(shape, *split_step_buffer(shape, buf[0]), tokens)  # without overlap no token is device-fed
+        def per_device(params, kv, hidden, prev, tokens, buf, mrep, mdev):
+            # the step's input as the step read it (prev: the token vector before it), so ahead
+            # chunks move and device-fed tokens and drafts resolve as they did in the step
+            rep, dev = split_step_buffer(shape, buf[0])
+            batch, sampling, _, _ = unpack_step(shape, rep, dev, prev)
             m = mshape.replicated_spec().unpack(mrep)
             d = mshape.device_spec().unpack(mdev[0])
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
             norm, head, vocab = model.mtp[0].norm, lm_head(model), model.cfg.vocab_size
-            sampled = tokens[:rows]  # the tokens by row (entries past `rows` are not this program's)
+            sampled = tokens[0, :rows]  # the tokens by row (entries past `rows` are not this program's)
             src = m["m_src"]
             nxt = jnp.where(src >= 0, sampled[jnp.clip(src, 0, rows - 1)], m["m_tokens"])
             # 1. each verify chunk's accepted drafts, as speculative.accepted counts them: known
@@ -227,6 +236,9 @@ class MtpDraftRunner:
             match = (sampled[idx] == sampling.draft[idx]) & (i[None] < m["c_k"][:, None])
             a = jnp.cumprod(match.astype(jnp.int32), axis=1).sum(axis=1)  # [C]
             at = batch.logits_index[jnp.clip(m["c_row0"] + a, 0, rows - 1)]  # token slot of position s + a
+            # an ahead chunk's shift b (its positions moved on the device: step_packer.shift_ahead)
+            b = row_shifts(shape.replicated_spec().unpack(rep), prev)[jnp.clip(m["c_row0"], 0, rows - 1)] \
+                if shape.variants else jnp.zeros_like(a)
             # 2. the MTP pass over every token slot (its latents; absorbed attention even for an
             #    expanded chunk), then the head at the C chain rows: draft 1
             x, kv = mtp_layer_output(model, kv, dataclasses.replace(batch, tokens=nxt, prefill_span=None), hidden, ctx)
@@ -234,7 +246,7 @@ class MtpDraftRunner:
             token = greedy_tokens(h, head, vocab, AXIS)
             drafts = [token]
             if k == 1:
-                return token[:, None], kv
+                return tokens.at[2, :rows].set(token), kv
             # 3. the chain: one row per chain row at positions s + a + j, j = 1..K-1. Everything
             #    but the layer and the head (positions, rope rows, write pages, key lengths) depends
             #    on `a` only: computed once for all chain steps, off the chain's dependent path.
@@ -243,7 +255,7 @@ class MtpDraftRunner:
                 mine = jax.lax.axis_index(AXIS) * cq + jnp.arange(cq, dtype=jnp.int32)
             else:
                 mine = jnp.arange(cq, dtype=jnp.int32)
-            offset = a[None] + jnp.arange(1, k, dtype=jnp.int32)[:, None]  # [K-1, C]
+            offset = (b + a)[None] + jnp.arange(1, k, dtype=jnp.int32)[:, None]  # [K-1, C]
             pos = m["c_pos"][None] + offset
             cos_sin = model.rope_cos_sin(pos.reshape(-1)).reshape(k - 1, rows, -1)
             o = jnp.clip(offset[:, mine], 0, mshape.width - 1).T  # [cq, K-1]
@@ -260,16 +272,17 @@ class MtpDraftRunner:
                 h = norm(x)
                 token = greedy_tokens(h, head, vocab, AXIS)
                 drafts.append(token)
-            return jnp.stack(drafts, axis=1), kv
+            # the step's token vector with the drafts by chain row: the next step reads them there
+            return tokens.at[2 : 2 + k, :rows].set(jnp.stack(drafts)), kv
 
         param_specs_ = tuple(layout.param_spec(p) for p in ex.paths)
         kv_specs = jax.tree.map(lambda _: POOL_SPEC, ex.kv_abstract(layout))
-        in_specs = (param_specs_, kv_specs, P(), P(), P(AXIS), P(), P(AXIS))
+        in_specs = (param_specs_, kv_specs, P(), P(), P(), P(AXIS), P(), P(AXIS))
         mapped = jax.shard_map(per_device, mesh=ex.mesh, in_specs=in_specs, out_specs=(P(), kv_specs), check_vma=False)
         to_device = ex.device_step_buffer  # the step's packed input (executor.draft_step_input)
 
-        def program(params, kv, hidden, tokens, buf, mrep, mdev):
-            return mapped(params, kv, hidden, tokens, to_device(buf), mrep, mdev)
+        def program(params, kv, hidden, prev, tokens, buf, mrep, mdev):
+            return mapped(params, kv, hidden, prev, tokens, to_device(buf), mrep, mdev)
 
         return jax.jit(program, donate_argnums=(1,)), shape, mshape
 
@@ -281,7 +294,8 @@ class MtpDraftRunner:
         args = (
             ex.param_abstract(layout), ex.kv_abstract(layout),
             jax.ShapeDtypeStruct((shape.total_tokens, hidden_size), self.hidden_dtype, sharding=rep_sharding),
-            jax.ShapeDtypeStruct(ex.prev_tokens.shape, jnp.int32, sharding=rep_sharding),  # by row, then more
+            jax.ShapeDtypeStruct(ex.token_vector_shape, jnp.int32, sharding=rep_sharding),  # what the step read
+            jax.ShapeDtypeStruct(ex.token_vector_shape, jnp.int32, sharding=rep_sharding),  # the step's tokens
             ex.step_input_abstract(shape),
             jax.ShapeDtypeStruct((mshape.replicated_spec().size,), jnp.int32, sharding=rep_sharding),
             jax.ShapeDtypeStruct((ex.n, mshape.device_spec().size), jnp.int32, sharding=dev_sharding),
@@ -337,8 +351,20 @@ class MtpDraftRunner:
         ex = self.ex
         mshape = MtpShape(ex.shape(ex.layout, bucket, expanded), self.k)
         mrep, mdev, chain_rows = pack_mtp(mshape, chunks, packed, tables, self.page_size)
-        self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, [ex.draft_step_input()], mrep, mdev,
-                             chunks, chain_rows, keep)
+        self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, ex.step_prev_tokens, [ex.draft_step_input()],
+                             mrep, mdev, chunks, chain_rows, keep)
+        sampling = [c.request for c in chunks if c.samples]
+        self._rows = dict(zip(sampling, chain_rows)) if keep else {}
+
+    def chain_row(self, request) -> int | None:
+        """The chain row of `request` in the last step dispatched, whose draft program leaves its
+        drafts on the device for the next step (device_draft_code); None if it has none there or
+        they will not be computed (a layout hand-off came between that step and its deferred
+        sampler: fire skips its draft program)."""
+        armed = self._armed
+        if armed is not None and armed.layout is not self.ex.layout:
+            return None
+        return self._rows.get(request)
 
     def fire(self, tokens: jax.Array) -> None:
         """Dispatch the armed step's draft program on its sampled tokens (device array). A layout
@@ -350,33 +376,38 @@ class MtpDraftRunner:
         ex = self.ex
         if ex.layout is not armed.layout:
             self.num_skipped += 1
+            self._rows = {}
             return
         program = self.compiled(armed.layout, *armed.key)
         mrep = jax.device_put(armed.mrep, ex.replicated)
         mdev = jax.device_put(armed.mdev, ex.per_device)
-        drafts = None
+        vector = None
 
         def run(kv):
-            nonlocal drafts
-            drafts, kv = program(tuple(ex.params), kv, armed.hidden, tokens, *armed.inputs, mrep, mdev)
+            nonlocal vector
+            vector, kv = program(tuple(ex.params), kv, armed.hidden, armed.prev, tokens, *armed.inputs, mrep, mdev)
             return kv
 
         ex.apply_to_pool(run)
+        ex.prev_tokens = vector  # the step's tokens and counts, with its drafts
         self.num_dispatched += 1
         if armed.keep:
-            drafts.copy_to_host_async()
-            self._pending = _Pending(armed.chunks, armed.chain_rows, drafts)
+            vector.copy_to_host_async()
+            self._pending = self._pending[-1:] + [_Pending(armed.chunks, armed.chain_rows, vector)]
 
     def take(self, chunks) -> list[tuple[object, np.ndarray]] | None:
         """The drafts of the step of these chunks, once its tokens are applied: (request, drafts [K])
         per sampling chunk, or None if that step has none."""
-        pending, self._pending = self._pending, None
-        if pending is None or pending.chunks is not chunks:
+        for i, pending in enumerate(self._pending):
+            if pending.chunks is chunks:
+                del self._pending[: i + 1]
+                break
+        else:
             return None
-        drafts = np.asarray(pending.drafts)
+        drafts = np.asarray(pending.vector)[2:]
         sampling = [c for c in chunks if c.samples]
-        return [(c.request, drafts[row]) for c, row in zip(sampling, pending.chain_rows)]
+        return [(c.request, drafts[:, row]) for c, row in zip(sampling, pending.chain_rows)]
 
     def drop(self) -> None:
         """Forget what is armed and in flight (a failed step: the pool is gone)."""
-        self._armed = self._pending = None
+        self._armed, self._pending, self._rows = None, [], {}

@@ -26,12 +26,12 @@ class SamplerPrograms:
         StepLogits; replicated like the logits (every device samples the same rows), the penalty
         state only read. The mask is an input of fixed shape ([rows, ceil(V/32)] int32, all ones
         for rows without a grammar), so constrained steps run the same programs."""
-        max_rows = self.max_rows
+        max_rows, draft_rows = self.max_rows, self.mtp_drafts
         spec = bool(self.spec_variants)  # accepted counts only where ahead chunks read them (executor._program)
 
         def fn(step: StepLogits, penalties: PenaltyState, mask: jax.Array) -> StepResult:
             out = sample(step.logits, step.sampling, penalties, full=True, mode=mode, mask=mask)
-            tokens = token_vector(out.tokens, step.sampling.draft if spec else None, max_rows)
+            tokens = token_vector(out.tokens, step.sampling.draft if spec else None, max_rows, draft_rows)
             return StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs)
 
         return jax.jit(fn, out_shardings=self.replicated)

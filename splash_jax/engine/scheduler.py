@@ -268,7 +268,8 @@ class Scheduler(Admission, SpeculativeScheduling):
         if self.lookahead:  # best effort, from the pages left: never preempts (missing pages cost drafts only)
             for c in chunks:
                 if c.samples and c.request.status == Status.RUNNING:
-                    self.allocate(c.request, min(c.end + self.lookahead, self.max_model_len))
+                    # (an ahead chunk may move shift_k positions on: engine/spec_scheduling.py)
+                    self.allocate(c.request, min(c.end + c.shift_k + self.lookahead, self.max_model_len))
         self.drafts_in_flight = any(c.drafts for c in chunks)
         return SchedulerOutput(chunks, preempted)
 

@@ -31,6 +31,7 @@ import weakref
 import numpy as np
 
 from splash_jax.engine.request import Request
+from splash_jax.engine.step_packer import device_draft_code
 from splash_jax.structured.reasoning_gate import needs_masks
 
 METHODS = ("off", "ngram", "mtp")  # the CLI's; the library also takes "custom" with a drafter object
@@ -155,10 +156,11 @@ class MtpDrafter:
     token this step and has drafts again after it. `lookahead`: positions past a sampling chunk the
     draft chain writes MTP latents at (the scheduler gives them pages when it can)."""
 
-    def __init__(self, num_tokens: int):
+    def __init__(self, num_tokens: int, runner=None):
         self.k = num_tokens
         self.lookahead = max(0, num_tokens - 1)
         self._drafts: dict[Request, tuple[int, list[int]]] = {}
+        self.runner = runner  # the engine's MtpDraftRunner: which drafts are still on the device
 
     def record(self, request: Request, drafts) -> None:
         """Drafts that continue `request` from the tokens it knows now."""
@@ -176,6 +178,17 @@ class MtpDrafter:
         if k <= 0 or entry is None or entry[0] != request.num_known or request.num_computed != request.num_known - 1:
             return []
         return entry[1][:k]
+
+    def propose_after(self, request: Request, k: int, after: tuple[int, ...]) -> list[int]:
+        """Drafts after a token still on the device (overlapped scheduling): the draft program of
+        the step in flight computes them from wherever that step's verify chunk ends, so one set
+        serves every count `after` it may keep. They are not on the host yet: each is a code the
+        next step program reads from the device (step_packer.device_draft_code), replaced by its
+        value when that step's drafts are read back (EngineCore._record_drafts)."""
+        row = self.runner.chain_row(request) if self.runner is not None else None
+        if k <= 0 or row is None:
+            return []
+        return [device_draft_code(row, j, self.k) for j in range(min(k, self.k))]
 
 
 def ngram_draft(seq: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

@@ -156,7 +156,10 @@ def unpack_step(shape: StepShape, rep: jax.Array, dev: jax.Array, prev_tokens: j
     if shape.variants:
         r, d, sampling = shift_ahead(shape, r, d, sampling, prev_tokens)
     src = r["src_row"]
-    tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, prev_tokens.shape[0] // 2 - 1)], r["tokens"])
+    tokens = jnp.where(src >= 0, prev_tokens[0, jnp.clip(src, 0, prev_tokens.shape[1] - 1)], r["tokens"])
+    if prev_tokens.shape[0] > 2:  # MTP drafts the previous step's draft program left on the device
+        tokens = device_drafts(tokens, prev_tokens)
+        sampling = dataclasses.replace(sampling, draft=device_drafts(sampling.draft, prev_tokens))
     batch = StepInput(
         tokens, r["positions"], d["token_request"], d["write_page"], d["write_offset"], d["kv_lens"],
         d["page_table"], r["logits_index"], d.get("prefill_span"), r["token_slot"] >= 0,
@@ -167,14 +170,13 @@ def unpack_step(shape: StepShape, rep: jax.Array, dev: jax.Array, prev_tokens: j
 def shift_ahead(shape: StepShape, r: dict, d: dict, sampling: SamplingInputs, prev_tokens: jax.Array):
     """Inside the step program: move each ahead verify chunk (pack_ahead) to where the verify chunk
     before it ended. That chunk's step, still on the device when this one was packed, kept a of
-    its drafts (prev_tokens' second half, step_programs.token_vector); the host packed this chunk
+    its drafts (prev_tokens' row 1, step_programs.token_vector); the host packed this chunk
     as if a were 0. Its tokens move a positions on, its first token is that step's row first + a,
     its drafts are variant a, and its cache writes and key lengths come from the two pages its
     tokens may fall in (var_page, var_before: the host's page facts for them)."""
-    half = prev_tokens.shape[0] // 2
     rows = r["row_shift"].shape[0]
     rs = r["row_shift"]
-    a_row = jnp.where(rs >= 0, prev_tokens[half + jnp.clip(rs, 0, half - 1)], 0)
+    a_row = row_shifts(r, prev_tokens)
     tr = r["tok_row"]
     shifted = tr >= 0
     trc = jnp.clip(tr, 0, rows - 1)
@@ -201,6 +203,32 @@ def shift_ahead(shape: StepShape, r: dict, d: dict, sampling: SamplingInputs, pr
              write_offset=jnp.where(shifted, pos % ps, d["write_offset"]),
              kv_lens=jnp.where(shifted, before * ps + jnp.where(held, pos % ps + 1, 0), d["kv_lens"]))
     return r, d, sampling
+
+
+def row_shifts(r: dict, prev_tokens: jax.Array) -> jax.Array:
+    """Inside a program: per logits row, the drafts the verify chunk before it kept (the shift of
+    an ahead chunk's rows, row_shift naming where the previous step counted them); 0 elsewhere."""
+    rs = r["row_shift"]
+    return jnp.where(rs >= 0, prev_tokens[1, jnp.clip(rs, 0, prev_tokens.shape[1] - 1)], 0)
+
+
+DEVICE_DRAFT = -2  # token values at or below this name an MTP draft still on the device (device_draft_code)
+
+
+def device_draft_code(chain_row: int, j: int, k: int) -> int:
+    """The value the host packs for draft j of the previous step's chain row (its draft program
+    chains k drafts), before the draft exists on the host: device_drafts reads it back on the device."""
+    return DEVICE_DRAFT - (chain_row * k + j)
+
+
+def device_drafts(values: jax.Array, prev_tokens: jax.Array) -> jax.Array:
+    """Inside a program: values packed as device_draft_code(c, j, k) become draft j of chain row c
+    of the previous step's draft program (prev_tokens row 2 + j); other values stay."""
+    k = prev_tokens.shape[0] - 2
+    code = DEVICE_DRAFT - values
+    coded = code >= 0
+    c = jnp.clip(code // k, 0, prev_tokens.shape[1] - 1)
+    return jnp.where(coded, prev_tokens[2 + code % k, c], values)
 
 
 def host_step_input(shape: StepShape, packed: "PackedStep") -> StepInput:

@@ -84,6 +84,7 @@ def step_executor_args(config, platform: str, n: int, pages_per_request: int, wi
         unroll_max_tokens=config.unroll_max_tokens, step_input_memory=config.resolved_step_input_memory(platform),
         fused_max_tokens=config.resolved_fused_sampler_max_tokens(platform),
         spec_variants=config.speculative_variants,
+        mtp_drafts=config.speculative_tokens if config.speculative_method == "mtp" else 0,
     )
 
 
@@ -148,15 +149,17 @@ def accepted_counts(draft: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.minimum(next_stop[first], idx) - first
 
 
-def token_vector(tokens: jax.Array, draft: jax.Array | None, max_rows: int) -> jax.Array:
-    """A step's sampled tokens as the [2 * max_rows] vector the next step reads (prev_tokens):
-    the tokens by row, then accepted_counts by row, so a step scheduled before this one's
-    tokens reach the host can start where its verify chunks ended (step_packer.unpack_step).
-    draft None (engines without ahead chunks): the counts stay 0, and the program computes none."""
+def token_vector(tokens: jax.Array, draft: jax.Array | None, max_rows: int, draft_rows: int = 0) -> jax.Array:
+    """A step's sampled tokens as the [2 + draft_rows, max_rows] array the next step reads
+    (prev_tokens): row 0 the tokens by logits row, row 1 accepted_counts by row, so a step
+    scheduled before this one's tokens reach the host can start where its verify chunks ended
+    (step_packer.unpack_step); rows 2.. the MTP drafts by chain row, which the draft program run
+    after the step fills (engine/mtp_draft.py; zero here). draft None (engines without ahead
+    chunks): the counts stay 0, and the program computes none."""
     rows = tokens.shape[0]
-    out = jnp.zeros(2 * max_rows, jnp.int32).at[:rows].set(tokens)
+    out = jnp.zeros((2 + draft_rows, max_rows), jnp.int32).at[0, :rows].set(tokens)
     if draft is not None:
-        out = out.at[max_rows : max_rows + rows].set(accepted_counts(draft, tokens))
+        out = out.at[1, :rows].set(accepted_counts(draft, tokens))
     return out
 
 
@@ -165,7 +168,7 @@ def token_vector(tokens: jax.Array, draft: jax.Array | None, max_rows: int) -> j
 class StepResult:
     """A dispatched step's device outputs (nothing is read back until asked)."""
 
-    tokens: jax.Array  # [2 * max_rows] int32: sampled tokens, then accepted draft counts (token_vector)
+    tokens: jax.Array  # [2 + D, max_rows] int32: sampled tokens, accepted draft counts, MTP drafts (token_vector)
     logprob: jax.Array  # [rows]
     top_ids: jax.Array  # [rows, MAX_LOGPROBS]
     top_logprobs: jax.Array
