@@ -5,6 +5,7 @@ whose outputs do not, at low concurrency.
     python -m benchmarks.speculative                                   # bundled model, CPU or GPU
     python -m benchmarks.speculative --batches 1,8 --drafts 0,2,3,4 --max-tokens 160
     python -m benchmarks.speculative --methods ngram,mtp --drafts 0,1,2,3   # the bundled MTP head too
+    python -m benchmarks.speculative --methods mtp,mtp-sync --drafts 0,3   # MTP steps overlapped or not
 
 Workloads (greedy, held-out Python standard library files the bundled model never trained on):
   copy   a file's opening, a marker, then its first third again: the model continues by copying
@@ -48,7 +49,9 @@ HELD_OUT_EVERY = 50  # scripts/train_bundled_model.py holds out every 50th stdli
 class SpecBench:
     batches: str = "1,8"
     drafts: str = "0,1,2,3,4"  # K per run; 0 = speculation off (overlapped)
-    methods: str = "ngram"  # draft sources to run: ngram and/or mtp (mtp needs a checkpoint with an MTP layer)
+    # draft sources to run: ngram and/or mtp (mtp needs a checkpoint with an MTP layer); a -sync suffix
+    # (ngram-sync, mtp-sync) runs that method's steps without overlapped scheduling (set_overlap(False))
+    methods: str = "ngram"
     workloads: str = "copy,fresh,repeat"
     max_tokens: int = 128
     prompt_chars: int = 1200  # characters of each file's opening
@@ -114,7 +117,8 @@ def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = N
 def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int):
     """One timed run (after an unmeasured one when an adaptive draft budget has to learn) ->
     (seconds, outputs, speculative stats, full-batch tok/s)."""
-    engine.set_speculative(method if k else "off", k or None)
+    engine.set_overlap(not method.endswith("-sync"))
+    engine.set_speculative(method.removesuffix("-sync") if k else "off", k or None)
     if k and engine.config.speculative_adaptive:
         engine.reset_prefix_cache()
         run(engine, texts, max_tokens)  # trains the budget (its first steps try each level)
@@ -146,7 +150,7 @@ def main(argv=None):
     # K = 0 (and n-gram) on an engine without an MTP layer: an MTP engine runs its MTP pass on every
     # step, speculating or not, so its own K = 0 would understate the baseline.
     engines = {"ngram": Engine(dataclasses.replace(config, speculative_method="ngram", speculative_tokens=k_max))}
-    if "mtp" in methods:
+    if any(m.startswith("mtp") for m in methods):
         engines["mtp"] = Engine(dataclasses.replace(config, speculative_method="mtp", speculative_tokens=k_max))
     base_engine = engines["ngram"]
     TRACES.update({id(e): StepTrace(e) for e in engines.values()})
@@ -165,7 +169,8 @@ def main(argv=None):
             runs = [("off", 0, 1.0, base_s, base, {}, differ, first_diff, [base_s], [], 1.0)]
             for method in methods:
                 for k in (k for k in drafts if k):
-                    ratio, seconds, outs, spec, offs, ons, full = cell(engines[method], base_engine, method, k, texts, bench)
+                    engine = engines[method.removesuffix("-sync")]
+                    ratio, seconds, outs, spec, offs, ons, full = cell(engine, base_engine, method, k, texts, bench)
                     runs.append((method, k, ratio, seconds, outs, spec, *divergence(outs, base), offs, ons, full))
             for s in STEPS:
                 s.setdefault("workload", workload)

@@ -5,11 +5,23 @@ layer chained K times), on the device right after each step.
 One draft program per (layout, bucket) of the step programs, compiled ahead of time with them,
 dispatched right after the step (after its sampler program for a `full` step) on device arrays
 only: the step's final hidden states (the step program returns them when the engine runs MTP:
-StepExecutor.mtp_hidden), its sampled tokens, the two packed buffers it already took, and two
-small buffers of its own (`pack_mtp`). It donates the pool (the MTP layer's latents are at pool
-layer num_layers, in the requests' own pages, so they move with them in every switch) and
-returns the drafts [rows, K], read back with the step's tokens. So a step is 2 launches (3 with a
-sampler program) and no hidden state crosses to the host.
+StepExecutor.mtp_hidden), the token vector it read and the one it returned (its sampled tokens),
+the two packed buffers it already took, and two small buffers of its own (`pack_mtp`). It
+donates the pool (the MTP layer's latents are at pool layer num_layers, in the requests' own
+pages, so they move with them in every switch) and returns the step's token vector with the
+drafts by chain row in rows 2.. (step_programs.token_vector), which becomes the executor's
+prev_tokens and is read back with the step's tokens. So a step is 2 launches (3 with a sampler
+program) and no hidden state crosses to the host.
+
+Overlapped scheduling: the next step is scheduled and dispatched before this step's tokens and
+drafts reach the host. A request that samples in this step gets, in the next, a verify chunk
+whose drafts are codes naming its chain row here (MtpDrafter.propose_after,
+step_packer.device_draft_code); the next step program reads them from prev_tokens. If this
+step's chunk verifies drafts, the next chunk is an ahead chunk (engine/spec_scheduling.py): it
+moves on the device by the drafts this step keeps, b, and the draft program after it chains from
+s + b + a. The host replaces the codes by the drafts when this step's tokens are applied
+(EngineCore._record_drafts), before the next step's. Unlike n-gram drafts, MTP drafts do not lag
+a step: the device computes them once it knows what the step kept.
 
 Why a separate program, not fused into the step program: the sampled token of a step's last row
 is the MTP layer's input there, and `full` steps (random draws, logprobs, penalties) sample in a

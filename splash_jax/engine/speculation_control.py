@@ -15,7 +15,7 @@ class SpeculationControl:
     @property
     def speculates_ahead(self) -> bool:
         """Whether speculative steps overlap: a drafter that proposes behind a token still on the
-        device (propose_after: n-gram, custom; MTP drafts need the step's hidden states) and step
+        device (propose_after: n-gram, custom, and MTP, whose drafts stay on the device) and step
         programs with a variant per count of drafts a step may keep (StepShape.variants)."""
         c = self.config
         return (c.speculative_k > 0 and c.speculative_k < self.executor.spec_variants
