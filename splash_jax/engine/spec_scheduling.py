@@ -15,6 +15,8 @@ none of its K drafts, with a variant of its own drafts for each count a it may k
 (speculative.propose_ahead) and pages for the longest case. The step program moves it by the a
 the previous step returned (step_packer.shift_ahead); the host does the same when the verify
 chunk's tokens are applied (`_verified`). One chunk goes ahead of each verify chunk at most.
+MTP drafts behind a step in flight are still on the device: MtpDrafter.propose_after returns codes
+the step program reads there (step_packer.device_draft_code), the same for every variant.
 """
 
 from __future__ import annotations
