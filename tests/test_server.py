@@ -47,7 +47,9 @@ class Server:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
-    def wait_ready(self, timeout: float = 240.0) -> None:
+    def wait_ready(self, timeout: float = 480.0) -> None:
+        # start-up compiles take ~55 s alone on a 2-core host; beside two test workers compiling,
+        # 3-4x that (a clean-clone run timed out at 240 s)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
