@@ -21,7 +21,7 @@ from splash_jax.engine.inflight import InFlight, collect_prompt_logprobs
 from splash_jax.engine.request import Request, Status
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk
-from splash_jax.engine.step_packer import DEVICE_DRAFT, pack_step
+from splash_jax.engine.step_packer import pack_step
 from splash_jax.kv.page_copy import pack_copies
 from splash_jax.structured.reasoning_gate import needs_masks
 
@@ -203,10 +203,7 @@ class DeviceSteps:
             drafts = None
         for request, d in drafts or ():
             if not request.is_finished:
-                self.mtp_drafter.record(request, d)
-                for c in request.unapplied:  # the next step's chunk read them on the device: now the host knows them too
-                    if c.drafts and c.drafts[0] <= DEVICE_DRAFT:
-                        c.drafts = tuple(int(t) for t in d[: len(c.drafts)])
+                self.mtp_drafter.record(request, d)  # (and a chunk dispatched with them still on the device)
         self.mtp_drafter.prune()
 
     def _fail(self, request: Request, message: str) -> None:

@@ -20,7 +20,7 @@ step_packer.device_draft_code); the next step program reads them from prev_token
 step's chunk verifies drafts, the next chunk is an ahead chunk (engine/spec_scheduling.py): it
 moves on the device by the drafts this step keeps, b, and the draft program after it chains from
 s + b + a. The host replaces the codes by the drafts when this step's tokens are applied
-(EngineCore._record_drafts), before the next step's. Unlike n-gram drafts, MTP drafts do not lag
+(MtpDrafter.record), before the next step's. Unlike n-gram drafts, MTP drafts do not lag
 a step: the device computes them once it knows what the step kept.
 
 Why a separate program, not fused into the step program: the sampled token of a step's last row

@@ -31,7 +31,7 @@ import weakref
 import numpy as np
 
 from splash_jax.engine.request import Request
-from splash_jax.engine.step_packer import device_draft_code
+from splash_jax.engine.step_packer import DEVICE_DRAFT, device_draft_code
 from splash_jax.structured.reasoning_gate import needs_masks
 
 METHODS = ("off", "ngram", "mtp")  # the CLI's; the library also takes "custom" with a drafter object
@@ -156,15 +156,21 @@ class MtpDrafter:
     token this step and has drafts again after it. `lookahead`: positions past a sampling chunk the
     draft chain writes MTP latents at (the scheduler gives them pages when it can)."""
 
-    def __init__(self, num_tokens: int, runner=None):
+    def __init__(self, num_tokens: int):
         self.k = num_tokens
         self.lookahead = max(0, num_tokens - 1)
         self._drafts: dict[Request, tuple[int, list[int]]] = {}
-        self.runner = runner  # the engine's MtpDraftRunner: which drafts are still on the device
+        self.runner = None  # the engine's MtpDraftRunner: which drafts are still on the device
 
     def record(self, request: Request, drafts) -> None:
-        """Drafts that continue `request` from the tokens it knows now."""
-        self._drafts[request] = (request.num_known, [int(t) for t in drafts])
+        """Drafts that continue `request` from the tokens it knows now. A chunk of its already
+        dispatched with them still on the device (propose_after's codes) learns them here, before
+        its own tokens are applied."""
+        drafts = [int(t) for t in drafts]
+        self._drafts[request] = (request.num_known, drafts)
+        for c in request.unapplied:
+            if c.drafts and c.drafts[0] <= DEVICE_DRAFT:
+                c.drafts = tuple(drafts[: len(c.drafts)])
 
     def forget(self) -> None:
         self._drafts.clear()
@@ -184,7 +190,7 @@ class MtpDrafter:
         the step in flight computes them from wherever that step's verify chunk ends, so one set
         serves every count `after` it may keep. They are not on the host yet: each is a code the
         next step program reads from the device (step_packer.device_draft_code), replaced by its
-        value when that step's drafts are read back (EngineCore._record_drafts)."""
+        value when that step's drafts are read back (record)."""
         row = self.runner.chain_row(request) if self.runner is not None else None
         if k <= 0 or row is None:
             return []
