@@ -51,7 +51,7 @@ class SingleRequestRunner:
         graphdef = self.graphdef
 
         def step(state, kv, rep, dev):
-            b, _, _, _ = unpack_step(shape, rep, dev[0], jnp.zeros(1, jnp.int32))
+            b, _, _, _ = unpack_step(shape, rep, dev[0], jnp.zeros((2, 1), jnp.int32))  # no step before: no ahead tokens
             local = StepInput(b.tokens, b.positions, b.token_request, b.write_page[0], b.write_offset, b.kv_lens[0],
                               b.page_table[0], b.logits_index)
             return nnx.merge(graphdef, state)(kv, local)
