@@ -52,10 +52,13 @@ class MTPLayer(nnx.Module):
     def __call__(self, embedded, hidden, cos_sin, pools, batch, ctx):
         """embedded [T, D] (embed(token_{t+k})), hidden [T, D] -> pre-norm output [T, D], pools.
         `batch` already addresses this layer's pool layer (kv/cache.layer_batch)."""
+        return self.decoder(self.inputs(embedded, hidden), cos_sin, pools, batch, ctx)
+
+    def inputs(self, embedded, hidden):
+        """The decoder layer's input [T, D]: eh_proj of the normed embedding and hidden state."""
         e = self.enorm(embedded)
         h = self.hnorm(hidden.astype(e.dtype))
-        x = jnp.concatenate([e, h], axis=-1) @ self.eh_proj[...]
-        return self.decoder(x, cos_sin, pools, batch, ctx)
+        return jnp.concatenate([e, h], axis=-1) @ self.eh_proj[...]
 
 
 def build_mtp_layers(cfg: ModelConfig, dtype, rngs, expert_format: str, moe_impl: str) -> nnx.List:
@@ -78,6 +81,19 @@ def mtp_layer_output(model, kv, batch, hidden, ctx, embedded=None, cos_sin=None,
     step = layer_batch(batch, cfg.num_layers + mtp_layer, kv.pages_per_segment(), kv.num_layers)
     x, pools = model.mtp[mtp_layer](embedded, hidden, cos_sin, kv.flat(), step, ctx)
     return x, kv.unflat(pools)
+
+
+def mtp_latents(model, kv, batch, hidden, ctx, mtp_layer: int = 0):
+    """What mtp_layer_output writes to the pool, and nothing else: the MTP layer's latent at every
+    token slot (its input projection, the attention norm and the latent projection; no attention
+    read, no MoE, no head). Drafting later attends over them as if the whole layer had run."""
+    cfg = model.cfg
+    layer = model.mtp[mtp_layer]
+    x = layer.inputs(ctx.embed(model.embed[...], batch.tokens), hidden)
+    step = layer_batch(batch, cfg.num_layers + mtp_layer, kv.pages_per_segment(), kv.num_layers)
+    pools = ctx.write_latents(layer.decoder.attn, layer.decoder.input_norm(x), model.rope_cos_sin(batch.positions),
+                              kv.flat(), step)
+    return kv.unflat(pools)
 
 
 def lm_head(model):

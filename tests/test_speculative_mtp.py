@@ -251,6 +251,40 @@ def test_drafts_after_every_step_are_the_mtp_layers(engine, reference, monkeypat
     assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
 
 
+def test_steps_without_drafts_write_the_latents_drafting_reads(engine, reference, monkeypatch):
+    """A step whose drafts nobody reads (speculation off on an MTP engine, or the draft budget at
+    level 0) runs the latents-only draft program. Prompts prefilled and decoded that way for a few
+    steps, then drafted by the MTP layer: the drafts equal the reference (the whole MTP layer run
+    over every position), so those steps wrote the latents the full program writes; greedy outputs
+    equal one token per step."""
+    params = SamplingParams(max_tokens=24)
+    want = _generate(engine, "off", PROMPTS, [params] * len(PROMPTS))
+    seen = _recording(engine, monkeypatch)
+    ran = collections.Counter()
+    compiled = engine.mtp.compiled
+
+    def spy(layout, bucket, expanded, latents_only=False):
+        ran[latents_only] += 1
+        return compiled(layout, bucket, expanded, latents_only)
+
+    monkeypatch.setattr(engine.mtp, "compiled", spy)
+    got = collections.defaultdict(list)
+    engine.set_speculative("off")
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    outs = [o for _ in range(8) for o in engine.step()]
+    off_steps = ran[True]
+    outs += engine.set_speculative("mtp")
+    while engine.has_work():
+        outs += engine.step()
+    for o in outs:
+        got[o.request_id] += o.delta_token_ids
+    assert [got[i] for i in ids] == [w.token_ids for w in want]
+    assert off_steps >= 8 and ran[False] > 0, ran
+    assert len(seen) > 10
+    wrong = [(seq, d, reference(seq)) for seq, d in seen if d != reference(seq)]
+    assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
+
+
 def test_a_step_mixing_verify_plain_and_prefill_chunks_drafts_as_the_reference(engine, reference, monkeypatch):
     """Steps holding a verify chunk (oracle drafts: none, some or all kept), a plain sampling chunk
     (a request with a penalty is never speculated) and a prefill chunk that samples nothing (a new

@@ -18,6 +18,9 @@ the same compiled greedy step program on an all-padding step and times the call 
             packed step in pinned host memory: one launch, as the engine runs small full steps
   full-only as sampled-device without the sampler program (its logits dropped): whether what
             the sampler program allocates between two full steps moves the full step's buffers
+  copied    as pinned, each call after the page-copy program (kv/page_copy.py, copying nothing):
+            the first step of a fully cached prompt runs behind a copy-on-write copy; whether a
+            program between two steps that rewrites the pool moves the step's graph buffers
 First each case waits for the device after every call (the launch on an idle device); then
 `--rounds` rounds run each case `--calls` times back to back, nothing waited for (queued-*): if
 the launch takes as long as the device's work the host waits for the device inside the launch;
@@ -46,6 +49,7 @@ from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, EngineConfig
 from splash_jax.engine.sampler import FULL_MODE
 from splash_jax.engine.step_packer import pack_step, step_buffer
+from splash_jax.kv.page_copy import no_copies
 
 log = logging.getLogger("probe.launch_cost")
 
@@ -61,7 +65,7 @@ def parse_option(text: str):
         return key, value
 
 
-CASES = ("pinned", "device", "reused", "tokens", "sampled", "sampled-device", "fused", "full-only")  # which inputs are fresh per call (see the docstring)
+CASES = ("pinned", "device", "reused", "tokens", "sampled", "sampled-device", "fused", "full-only", "copied")  # which inputs are fresh per call (see the docstring)
 # Host events that only wrap the launch (each contains the next): left out of the breakdown.
 WRAPPERS = ("PjitFunction", "LoadedExecutable", "ExecuteHelper", "RawLoadedExecutable", "GpuExecutable::ExecuteThunks",
             "XLA GPU module")
@@ -121,7 +125,7 @@ def main(argv=None):
     ap.add_argument("--trace-calls", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the queued cases (medians reported)")
-    ap.add_argument("--trace-cases", default="pinned,sampled,sampled-device", help="queued cases traced under the profiler")
+    ap.add_argument("--trace-cases", default="pinned,copied", help="queued cases traced under the profiler")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--unroll-max-tokens", type=int, default=EngineConfig.unroll_max_tokens)
     ap.add_argument("--xla-option", action="append", default=[], help="KEY=VALUE added to the step program's compile options")
@@ -174,6 +178,7 @@ def main(argv=None):
                 f.write(text)
         log.info("wrote the optimized HLO of %s to %s", sorted(texts), args.dump_hlo)
     reused = jax.device_put(buffer, shardings["device"])
+    no_copy = no_copies(engine.allocator)
     prev_fixed = ex.prev_tokens
     times = collections.defaultdict(list)  # case -> [(put s, launch s)]
 
@@ -183,6 +188,8 @@ def main(argv=None):
         memory = "device" if case in ("device", "reused", "tokens", "sampled-device", "full-only") else "pinned_host"
         buf = reused if case in ("reused", "tokens") else jax.device_put(buffer, shardings[memory])
         prev = prev_fixed if case == "reused" else ex.prev_tokens
+        if case == "copied":
+            ex.copy_pages(no_copy)
         t1 = time.perf_counter()
         if case == "fused":
             out, ex.kv, ex.penalties = fused_program(tuple(ex.params), ex.kv, ex.penalties, prev, buf, open_mask)

@@ -81,6 +81,15 @@ class ShardedContext:
             return parts[0]
         return merge_partial_attention(jnp.stack([o for o, _ in parts]), jnp.stack([l for _, l in parts]))
 
+    def write_latents(self, attn, x, cos_sin, pools, batch):
+        """Only the cache write of attention (no queries, no read): each token's latent where this
+        layout's forward pass writes it: owner-row layouts (dp, dop) their own rows, tp and cp every
+        token (cp's write pages keep only its stripe). The MTP latents of a step whose drafts are
+        not wanted (engine/mtp_draft.py)."""
+        if self.layout.owner_rows:
+            x, cos_sin = self._segment(x), self._segment(cos_sin)
+        return self._write(attn, x, cos_sin, pools, batch)
+
     def _write(self, attn, x, cos_sin, pools, batch):
         return self._store(*attn.roped_latent(x, cos_sin), pools, batch)
 

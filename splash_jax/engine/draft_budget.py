@@ -52,6 +52,12 @@ LEARN_EVERY = 12  # until every level of a batch bucket is measured, another run
 FOLLOW_STEPS = 36  # a bucket runs this many steps at a learned neighbour's best before learning its own
 
 
+def keeps_k(request) -> bool:
+    """A request whose K the budget never changes: a seeded sampled one (which token a row draws
+    depends on its draft, so a K that followed the batch would make its output depend on the batch)."""
+    return request.params.seed is not None and request.params.temperature > 0
+
+
 @dataclasses.dataclass
 class Acceptance:
     """A request's record of its drafts (kept, first misses), decayed per verify chunk."""

@@ -40,9 +40,11 @@ What the program computes (for a step whose chunk of request r covers positions 
      sampled token of the row for a sampling chunk's last row and for every row of a verify chunk.
      (For accepted positions of a verify chunk that is the next draft; rows past the first
      rejection write slots the next step writes again before any query reads them: kv_lens
-     bound every read.) Every step of an engine started with MTP runs it, with speculation
-     switched off or to n-gram too (then its drafts are not read back): so every computed
-     position, a cached prefix page's too, has its MTP latent when drafting resumes.
+     bound every read.) Every step of an engine started with MTP writes these latents, with
+     speculation switched off, at the draft budget's level 0 or n-gram too: so every computed
+     position, a cached prefix page's too, has its MTP latent when drafting resumes. When no
+     drafts are wanted from a step (MtpDraftRunner.arm's keep) a latents-only variant runs:
+     the layer's input and latent projections and the write (mtp.mtp_latents), nothing else.
      Its head (norm, LM head, argmax) runs only at the last accepted position of each sampling
      chunk (s + a, or e - 1), one row per chain row: draft 1.
   3. Drafts 2..K chain the MTP layer on its own output hidden state and the previous draft, one
@@ -80,7 +82,7 @@ from splash_jax.attention.layouts import ShardedContext
 from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, row_shifts, split_step_buffer, unpack_step
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
-from splash_jax.mtp import greedy_tokens, lm_head, mtp_layer_output
+from splash_jax.mtp import greedy_tokens, lm_head, mtp_latents, mtp_layer_output
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +214,7 @@ class MtpDraftRunner:
         self.k = k
         self.page_size = page_size
         self.hidden_dtype = jnp.dtype(dtype)  # the step programs' hidden states: the model's dtype
-        self._compiled: dict[tuple[str, object, bool], object] = {}
+        self._compiled: dict[tuple[str, object, bool, bool], object] = {}
         self._armed: _Armed | None = None
         self._pending: list[_Pending] = []  # steps whose drafts are not read back yet, oldest first
         self._rows: dict = {}  # request -> its chain row in the last step armed (chain_row)
@@ -220,7 +222,10 @@ class MtpDraftRunner:
         self.num_skipped = 0  # steps whose drafts were not computed (a layout hand-off before a deferred sampler)
 
     # --- programs ---------------------------------------------------------------------------
-    def _program(self, layout: Layout, bucket, expanded: bool):
+    def _program(self, layout: Layout, bucket, expanded: bool, latents_only: bool = False):
+        """The draft program; latents_only: only the MTP pass's latent writes (mtp.mtp_latents), for
+        a step whose drafts nobody will read (speculation at level 0, off or n-gram), which returns
+        the step's token vector as it is."""
         ex, k, page_size = self.ex, self.k, self.page_size
         shape = ex.shape(layout, bucket, expanded)
         mshape = MtpShape(shape, k)
@@ -241,6 +246,8 @@ class MtpDraftRunner:
             sampled = tokens[0, :rows]  # the tokens by row (entries past `rows` are not this program's)
             src = m["m_src"]
             nxt = jnp.where(src >= 0, sampled[jnp.clip(src, 0, rows - 1)], m["m_tokens"])
+            if latents_only:
+                return tokens, mtp_latents(model, kv, dataclasses.replace(batch, tokens=nxt, prefill_span=None), hidden, ctx)
             # 1. each verify chunk's accepted drafts, as speculative.accepted counts them: known
             #    before the MTP pass, so its head runs at each chain row's last accepted row only
             i = jnp.arange(k, dtype=jnp.int32)
@@ -298,9 +305,9 @@ class MtpDraftRunner:
 
         return jax.jit(program, donate_argnums=(1,)), shape, mshape
 
-    def lower(self, layout: Layout, bucket, expanded: bool = False):
+    def lower(self, layout: Layout, bucket, expanded: bool = False, latents_only: bool = False):
         ex = self.ex
-        fn, shape, mshape = self._program(layout, bucket, expanded)
+        fn, shape, mshape = self._program(layout, bucket, expanded, latents_only)
         hidden_size = self._hidden_size()
         rep_sharding, dev_sharding = ex.replicated, ex.per_device
         args = (
@@ -314,11 +321,11 @@ class MtpDraftRunner:
         )
         return fn.lower(*args)
 
-    def _compile(self, layout: Layout, bucket, expanded: bool):
+    def _compile(self, layout: Layout, bucket, expanded: bool, latents_only: bool = False):
         """With the step programs' XLA options (executor.compiler_options; none on CPU): on GPUs a
         CUDA graph that keeps only data dependencies, so the chain's small independent kernels
         run side by side, cuBLAS GEMMs and no rematerialization pass, as every step program."""
-        return self.ex._compile(self.lower(layout, bucket, expanded))
+        return self.ex._compile(self.lower(layout, bucket, expanded, latents_only))
 
     def _hidden_size(self) -> int:
         for path, x in zip(self.ex.paths, self.ex.params):
@@ -327,29 +334,30 @@ class MtpDraftRunner:
         raise ValueError("the model has no embedding table")
 
     def keys(self, layouts: list[Layout]) -> list[tuple]:
-        """(layout, bucket, expanded) of every step program these layouts run (moving variants share one)."""
+        """(layout, bucket, expanded, latents_only) of the draft programs after every step program
+        these layouts run (moving variants share one): drafting and latents-only each."""
         ex = self.ex
         layouts = list(dict.fromkeys(ex.program_layout(l) for l in layouts))
-        return [(lay, b, e) for lay in layouts for b in ex.buckets(lay)
-                for e in ((False, True) if ex.expands(lay, b) else (False,))]
+        return [(lay, b, e, lo) for lay in layouts for b in ex.buckets(lay)
+                for e in ((False, True) if ex.expands(lay, b) else (False,)) for lo in (False, True)]
 
     def compile_all(self, layouts: list[Layout]) -> int:
         todo = [key for key in self.keys(layouts) if (key[0].name, *key[1:]) not in self._compiled]
         with self.ex.compile_stats.track("mtp_drafts") as rec:
-            for lay, b, e in todo:
-                self._compiled[(lay.name, b, e)] = self._compile(lay, b, e)
+            for lay, b, e, lo in todo:
+                self._compiled[(lay.name, b, e, lo)] = self._compile(lay, b, e, lo)
             rec["programs"] = len(todo)
         self.ex.num_compiled += len(todo)
         self.ex.compile_seconds += rec["seconds"]
         log.info("compiled %d MTP draft programs in %.1fs", len(todo), rec["seconds"])
         return len(todo)
 
-    def compiled(self, layout: Layout, bucket, expanded: bool):
+    def compiled(self, layout: Layout, bucket, expanded: bool, latents_only: bool = False):
         layout = self.ex.program_layout(layout)
-        key = (layout.name, bucket, expanded)
+        key = (layout.name, bucket, expanded, latents_only)
         program = self._compiled.get(key)
         if program is None:  # only without warm-up
-            program = self._compiled[key] = self._compile(layout, bucket, expanded)
+            program = self._compiled[key] = self._compile(layout, bucket, expanded, latents_only)
             self.ex.num_compiled += 1
         return program
 
@@ -357,9 +365,10 @@ class MtpDraftRunner:
     def arm(self, bucket, expanded: bool, packed, chunks, tables, keep: bool = True) -> None:
         """After the step program of these chunks was dispatched (executor.run): pack the draft
         program's buffers and keep the step's device outputs until its tokens exist (`fire`).
-        keep=False (speculation off or n-gram): the program runs all the same, so every position
-        computed gets its MTP latent (a request or a cached page drafts from them later), but its
-        drafts are not read back."""
+        keep=False (no drafts wanted from this step: speculation off, n-gram, or the draft budget
+        at level 0): its latents-only program runs instead, so every position computed still gets
+        its MTP latent (a request or a cached page drafts from them later) at a fraction of the
+        cost (no attention read, MoE, head or chain), and the next step gets no MTP drafts."""
         ex = self.ex
         mshape = MtpShape(ex.shape(ex.layout, bucket, expanded), self.k)
         mrep, mdev, chain_rows = pack_mtp(mshape, chunks, packed, tables, self.page_size)
@@ -390,7 +399,7 @@ class MtpDraftRunner:
             self.num_skipped += 1
             self._rows = {}
             return
-        program = self.compiled(armed.layout, *armed.key)
+        program = self.compiled(armed.layout, *armed.key, latents_only=not armed.keep)
         mrep = jax.device_put(armed.mrep, ex.replicated)
         mdev = jax.device_put(armed.mdev, ex.per_device)
         vector = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from splash_jax.engine.draft_budget import DraftBudget
+from splash_jax.engine.draft_budget import DraftBudget, keeps_k
 from splash_jax.engine.request import Request, Status
 from splash_jax.engine.speculative import SpeculativeStats, can_speculate, max_drafts, propose_ahead
 
@@ -72,9 +72,7 @@ class SpeculativeScheduling:
         if self.drafter is None or self.drafting_paused or not decoding:
             return {}
         budget = self.draft_budget
-        # a seeded sampled request keeps its K: which token a row draws depends on its draft, so a
-        # K that followed the batch would make its output depend on the batch
-        fixed = [r.params.seed is not None and r.params.temperature > 0 for r in decoding] if budget else []
+        fixed = [keeps_k(r) for r in decoding] if budget else []
         if budget is not None and not budget.choose_level(len(decoding)) and not self.drafts_in_flight and not any(fixed):
             return {}  # level 0, and no verify chunk on the device to go ahead of: as with speculation off
         spare = room - len(decoding)

@@ -6,6 +6,7 @@ used here (config, scheduler, executor, MTP drafter)."""
 from __future__ import annotations
 
 from splash_jax.engine.core_output import CoreOutput
+from splash_jax.engine.draft_budget import keeps_k
 from splash_jax.engine.speculative import NgramDrafter
 
 
@@ -42,6 +43,18 @@ class SpeculationControl:
     @property
     def _mtp_drafting(self) -> bool:
         return self.mtp is not None and self.config.speculative_method == "mtp"
+
+    def _mtp_keeps(self, chunks) -> bool:
+        """Whether the draft program after a step of these chunks computes drafts (else only its
+        MTP latents: MtpDraftRunner.arm): MTP speculation is on and the draft budget's level for
+        this step is above 0, or a request sampling in it keeps its K (keeps_k). The next step
+        mostly runs at this step's level; when the budget then leaves level 0 (an exploration, a
+        new batch size), that one step verifies no MTP drafts, and the budget does not measure
+        the first step at a new level anyway (DraftBudget.observe)."""
+        if not self._mtp_drafting:
+            return False
+        budget = self.draft_budget
+        return budget is None or budget.level > 0 or any(c.samples and keeps_k(c.request) for c in chunks)
 
     def set_speculative(self, method: str, num_tokens: int | None = None, drafter=None) -> list[CoreOutput]:
         """Turn speculative decoding on ("ngram") or off ("off"), or change K, between steps

@@ -58,10 +58,12 @@ def run_every_program_once(engine, full_sampler: bool = True) -> int:
                                     samplers.add((shape.rows, mode))
                             count += 1
                             if engine.mtp is not None and move is None and not full:
-                                # the (layout, bucket) draft program, which serves every variant
-                                engine.mtp.arm(bucket, expanded, packed, [], engine.scheduler.tables, keep=False)
-                                engine.mtp.fire(out.tokens)
-                                count += 1
+                                # the (layout, bucket) draft programs (drafting, latents only), which serve every variant
+                                for keep in (True, False):
+                                    engine.mtp.arm(bucket, expanded, packed, [], engine.scheduler.tables, keep=keep)
+                                    engine.mtp.fire(out.tokens)
+                                    count += 1
+                                engine.mtp.drop()  # nothing of warm-up's is read back
         switch_while_idle(engine, start)
         count += len(samplers)
     finally:
