@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     if server_config.api_server_count > 1 and not server_config.engine_process:
         raise SystemExit("--api-server-count > 1 needs the engine core in its own process (--engine-process)")
     check_reasoning_parser(server_config, engine_config)
-    if dist_config.enabled or not server_config.engine_process:
-        return serve_in_process(server_config, engine_config, dist_config)
-    serve_with_core_process(server_config, engine_config)
+    if not server_config.engine_process or (dist_config.enabled and dist_config.process_id != 0):
+        return serve_in_process(server_config, engine_config, dist_config)  # followers: replay process 0
+    serve_with_core_process(server_config, engine_config, dist_config if dist_config.enabled else None)
 
 
 def check_reasoning_parser(server_config: ServerConfig, engine_config: EngineConfig) -> None:
@@ -83,10 +83,18 @@ def check_reasoning_parser(server_config: ServerConfig, engine_config: EngineCon
         raise SystemExit(1) from None
 
 
-def serve_with_core_process(server_config: ServerConfig, engine_config: EngineConfig) -> None:
-    """The default: the engine core in its own process, HTTP front ends beside it (serve/frontend.py)."""
+def serve_with_core_process(server_config: ServerConfig, engine_config: EngineConfig,
+                            dist_config: DistributedConfig | None = None) -> None:
+    """The default: the engine core in its own process, HTTP front ends beside it (serve/frontend.py).
+    With several hosts this is process 0: its core process is the leader (docs/multihost.md)."""
+    if dist_config is not None:
+        try:
+            dist_config.validate()  # a bad flag is reported here, not from inside the core
+        except ValueError as e:
+            log.error("cannot start: %s", e)
+            raise SystemExit(1) from None
     try:
-        core = CoreProcess.start(engine_config, server_config.log_level)
+        core = CoreProcess.start(engine_config, server_config.log_level, dist_config=dist_config)
     except CoreStartError as e:  # a StartupMemoryError's message names the numbers and the flag to change
         log.error("cannot start: %s", e)
         raise SystemExit(1) from None
@@ -146,7 +154,8 @@ class FrontEndWatch:
 
 
 def serve_in_process(server_config: ServerConfig, engine_config: EngineConfig, dist_config: DistributedConfig) -> None:
-    """The engine on a thread of the server's process (--no-engine-process; several hosts)."""
+    """The engine on a thread of the server's process (--no-engine-process), or a follower of a
+    multi-process engine (it serves nothing)."""
     runtime = distributed.initialize(dist_config)  # before anything touches a device
     if runtime is not None:
         engine_config = runtime.share_config(engine_config)

@@ -172,3 +172,55 @@ def test_orbax_snapshot_saved_by_two_processes_restores_anywhere(model_dir, tmp_
     (tmp_path / "restore").mkdir()
     got = run_two(str(snapshot), tmp_path / "restore", "tp")
     assert got["outputs"] == workload(a, [])[0]
+
+
+SERVER_ARGS = {"num_devices": 8, "layout": "dp", "page_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 16,
+               "max_pages": 64, "max_model_len": 128}
+
+
+@pytest.mark.slow
+def test_two_hosts_serve_through_the_leaders_engine_core_process(tmp_path):
+    """`python -m serve.main` on two processes (the bundled model, dp over 2 x 4 CPU devices): process
+    0's engine core runs in its own process as the leader, process 1 follows it; a greedy completion
+    equals the single-process engine's, and stopping process 0 stops both cleanly."""
+    import httpx
+
+    from splash_jax.engine import Engine, EngineConfig, SamplingParams
+
+    coordinator, http = f"127.0.0.1:{_free_port()}", _free_port()
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    engine_args = [f"--{k.replace('_', '-')}={v}" for k, v in SERVER_ARGS.items()] + ["--compile-cache-dir="]
+    procs = []
+    for pid in (1, 0):
+        cmd = [sys.executable, "-m", "serve.main", "--coordinator-address", coordinator, "--num-processes", "2",
+               "--process-id", str(pid), "--port", str(http), "--no-access-log", *engine_args]
+        log = open(tmp_path / f"p{pid}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    follower, leader = procs
+    base = f"http://127.0.0.1:{http}"
+    prompt, n = "Latent attention caches one compressed vector per token", 12
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert leader.poll() is None and follower.poll() is None, (tmp_path / "p0.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the two-process server never became ready"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        body = {"model": "splash-tiny", "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        got = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+        leader.send_signal(signal.SIGINT)
+        rcs = [leader.wait(60), follower.wait(60)]
+    finally:
+        for p in procs:
+            p.kill()
+    log0 = (tmp_path / "p0.log").read_text()
+    assert rcs == [0, 0], log0[-4000:]
+    assert "engine core ready" in log0 and "process 0 of 2 joined" in log0, log0[-4000:]
+    want = Engine(EngineConfig(**SERVER_ARGS, compile_cache_dir=None, warmup=False)).generate(
+        [prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+    assert got["choices"][0]["text"] == want.text, got

@@ -74,9 +74,10 @@ class CoreProcess:
         self.folder = folder
 
     @classmethod
-    def start(cls, engine_config, log_level: str = "info", progress_s: float = 15.0) -> "CoreProcess":
+    def start(cls, engine_config, log_level: str = "info", progress_s: float = 15.0, dist_config=None) -> "CoreProcess":
         """Spawn the core and wait until it has loaded the model and compiled its programs,
-        logging progress; CoreStartError with the core's own error if it fails."""
+        logging progress; CoreStartError with the core's own error if it fails. dist_config: the
+        core is process 0 of a multi-process engine (core_server.run_core_process)."""
         from splash_jax.engine.core_server import run_core_process
 
         folder = tempfile.mkdtemp(prefix="splash-core-")
@@ -84,7 +85,7 @@ class CoreProcess:
         mp = multiprocessing.get_context("spawn")
         receiver, sender = mp.Pipe(duplex=False)
         process = mp.Process(target=run_core_process, name="splash-engine-core",
-                             args=(engine_config, address, sender, os.getpid(), log_level), daemon=False)
+                             args=(engine_config, address, sender, os.getpid(), log_level, dist_config), daemon=False)
         t0 = time.monotonic()
         process.start()
         sender.close()

@@ -250,9 +250,12 @@ def _send(sock, kind: bytes, payload: bytes) -> None:
         pass
 
 
-def run_core_process(engine_config, input_address: str, ready, parent_pid: int, log_level: str = "info") -> None:
+def run_core_process(engine_config, input_address: str, ready, parent_pid: int, log_level: str = "info",
+                     dist_config=None) -> None:
     """The core process's entry point (multiprocessing, spawn): build the engine core, report
-    ready (its EngineFacts) or the start-up error through `ready`, then loop."""
+    ready (its EngineFacts) or the start-up error through `ready`, then loop. dist_config (several
+    hosts, docs/multihost.md): this process joins jax.distributed as process 0, the leader whose
+    device calls the followers replay, and stops them when it stops."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s core %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us with STOP
@@ -261,6 +264,11 @@ def run_core_process(engine_config, input_address: str, ready, parent_pid: int, 
         from splash_jax.engine.engine_core import EngineCore
         from splash_jax.engine.request_factory import EngineFacts
 
+        if dist_config is not None:
+            from splash_jax import distributed
+
+            runtime = distributed.initialize(dist_config)  # before anything touches a device
+            engine_config = runtime.share_config(engine_config)
         engine = EngineCore(engine_config)
         facts = EngineFacts.of(engine)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which exits with it
@@ -271,4 +279,10 @@ def run_core_process(engine_config, input_address: str, ready, parent_pid: int, 
     server = CoreServer(engine, input_address, parent_pid)
     ready.send(("ready", facts.__dict__))
     ready.close()
-    server.run()
+    try:
+        server.run()
+    finally:
+        if dist_config is not None:
+            from splash_jax import distributed
+
+            distributed.current().shutdown()  # stops the followers
