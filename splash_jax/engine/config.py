@@ -91,7 +91,8 @@ class EngineConfig:
     # num_nextn_predict_layers, chained K times; loaded only then, its latents in an extra pool layer:
     # engine/mtp_draft.py). Verified exactly in one step of the target model (engine/speculative.py):
     # greedy outputs are those of decoding one token per step, sampled ones follow the target
-    # distribution. Steps then run without overlap (drafting needs every token on the host).
+    # distribution. Steps still overlap (the next is scheduled behind a verify step in flight,
+    # engine/spec_scheduling.py) when K fits the start-up's speculative_variants; else they run without.
     speculative_method: str = "off"
     speculative_tokens: int = 3  # K: drafts verified per request per step
     # Drafts per request per step from 0 to --speculative-tokens: the cap whose steps the engine
