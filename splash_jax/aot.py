@@ -32,7 +32,8 @@ from jax.sharding import NamedSharding
 
 from splash_jax.attention import dispatch
 from splash_jax.engine.config import EngineConfig
-from splash_jax.engine.executor import COMPILE_THREAD_STACK, StepExecutor
+from splash_jax.engine.executor import StepExecutor
+from splash_jax.engine.step_compile import COMPILE_THREAD_STACK
 from splash_jax.engine.step_programs import mode_name, program_name, sampler_name, step_executor_args
 from splash_jax.engine.request import SamplingLimits
 from splash_jax.engine.sampler import SamplerWidths

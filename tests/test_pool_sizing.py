@@ -6,7 +6,7 @@ import pytest
 
 from splash_jax import executable_cache
 from splash_jax.engine import Engine, EngineConfig
-from splash_jax.engine import executor as executor_module, sampler_programs
+from splash_jax.engine import sampler_programs, step_compile
 from splash_jax.engine import pool_sizing
 from splash_jax.engine.executor import program_name, sampler_name
 from splash_jax.engine.program_memory import probe_keys
@@ -58,8 +58,8 @@ def test_pool_is_sized_from_the_largest_program_on_an_8_device_mesh(monkeypatch)
 
 def test_a_configuration_that_cannot_fit_fails_before_compiling_its_programs(monkeypatch):
     compiles = []
-    real = executor_module.compile_lowered
-    for module in (executor_module, sampler_programs):
+    real = step_compile.compile_lowered
+    for module in (step_compile, sampler_programs):
         monkeypatch.setattr(module, "compile_lowered", lambda *a: compiles.append(1) or real(*a))
     fake_memory(monkeypatch, 64 * MiB + 4096, 64 * MiB)  # 4 KiB beside the weights
     with pytest.raises(StartupMemoryError, match="Lower --max-num-batched-tokens"):
@@ -76,8 +76,8 @@ def test_a_configuration_that_cannot_fit_fails_before_compiling_its_programs(mon
 def test_start_up_with_several_buckets_compiles_each_program_once(monkeypatch):
     executable_cache.clear()
     hlos = []
-    real = executor_module.compile_lowered
-    for module in (executor_module, sampler_programs):  # step programs, sampler programs
+    real = step_compile.compile_lowered
+    for module in (step_compile, sampler_programs):  # step programs, sampler programs
         monkeypatch.setattr(module, "compile_lowered", lambda lowered, *a: hlos.append(lowered.as_text()) or real(lowered, *a))
     fake_memory(monkeypatch, 256 * MiB, 64 * MiB)
     engine = Engine(EngineConfig(num_devices=2, layout="tp", **KW))

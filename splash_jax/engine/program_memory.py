@@ -98,7 +98,8 @@ def measure_programs(executor, layouts, threads: int = 1) -> dict[str, int]:
     rows (its sort of the vocabulary can outgrow a small-budget step), each compiled (not kept) on
     `executor`, normally one over a one-page abstract pool. An expanded variant that does not build
     is measured in its plain form, which the engine will then run."""
-    from splash_jax.engine.executor import COMPILE_THREAD_STACK, logits_key, program_name, sampler_name
+    from splash_jax.engine.step_compile import COMPILE_THREAD_STACK
+    from splash_jax.engine.step_programs import logits_key, program_name, sampler_name
 
     def lowered(key):
         try:
