@@ -119,9 +119,12 @@ class MtpShape:
         return BufferSpec((Field("c_page", (g, c, w), np.int32), Field("c_lens", (g, c, w), np.int32)))
 
 
-def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """-> (replicated [X], per-device [N, Y] buffers, the chain row of each sampling chunk in chunk order)."""
-    shape, k = mshape.step, mshape.k
+def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int,
+             chains: bool = True) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
+    """-> (replicated [X], per-device [N, Y] buffers, the chain row of each sampling chunk in chunk order).
+    chains=False (the latents-only program, which reads m_tokens and m_src only): no chain rows,
+    and None for the per-device buffer (the host work of the page lookups is skipped)."""
+    shape = mshape.step
     n, g, rq, w = shape.devices, shape.segments, shape.requests, mshape.width
     t_total, c_total = shape.total_tokens, shape.rows
     m_tokens = np.zeros(t_total, np.int32)
@@ -130,8 +133,9 @@ def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int) -> tuple[
     c_k = np.zeros(c_total, np.int32)
     c_pos = np.zeros(c_total, np.int32)
     c_valid = np.zeros(c_total, np.int32)
-    c_page = np.full((n, g, rq, w), DROPPED, np.int32)
-    c_lens = np.zeros((n, g, rq, w), np.int32)
+    if chains:
+        c_page = np.full((n, g, rq, w), DROPPED, np.int32)
+        c_lens = np.zeros((n, g, rq, w), np.int32)
     nrows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
     last_row = np.cumsum(nrows) - 1
     chain_rows, chain = [], []  # chain: (chunk index, chain row, first position)
@@ -147,7 +151,7 @@ def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int) -> tuple[
             row0 = int(last_row[i])
             if c.samples:
                 m_src[base + length - 1] = row0
-        if not c.samples:
+        if not (c.samples and chains):
             continue
         lrow = int(packed.lrow[i])
         cr = req.owner * rq + lrow if shape.owner_rows else lrow
@@ -175,7 +179,7 @@ def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int) -> tuple[
                                              + np.where(held, pos % page_size + 1, 0), 0)
     rep = mshape.replicated_spec().pack({"m_tokens": m_tokens, "m_src": m_src, "c_row0": c_row0, "c_k": c_k,
                                          "c_pos": c_pos, "c_valid": c_valid})
-    dev_buf = mshape.device_spec().pack({"c_page": c_page, "c_lens": c_lens}, lead=(n,))
+    dev_buf = mshape.device_spec().pack({"c_page": c_page, "c_lens": c_lens}, lead=(n,)) if chains else None
     return rep, dev_buf, chain_rows
 
 
@@ -189,10 +193,11 @@ class _Armed:
     prev: jax.Array  # the token vector the step read
     inputs: list
     mrep: np.ndarray
-    mdev: np.ndarray
+    mdev: np.ndarray | None  # None for the latents-only program (it reads no chain pages)
     chunks: list
     chain_rows: list[int]
     keep: bool  # its drafts are wanted (MTP speculation on); else it runs for the MTP latents only
+    mshape: MtpShape
 
 
 @dataclasses.dataclass
@@ -218,6 +223,8 @@ class MtpDraftRunner:
         self._armed: _Armed | None = None
         self._pending: list[_Pending] = []  # steps whose drafts are not read back yet, oldest first
         self._rows: dict = {}  # request -> its chain row in the last step armed (chain_row)
+        self._shapes: dict[tuple, MtpShape] = {}  # (layout, bucket, expanded) -> its MtpShape
+        self._no_chains: dict[MtpShape, jax.Array] = {}  # the per-device buffer the latents-only program is given
         self.num_dispatched = 0
         self.num_skipped = 0  # steps whose drafts were not computed (a layout hand-off before a deferred sampler)
 
@@ -370,12 +377,31 @@ class MtpDraftRunner:
         its MTP latent (a request or a cached page drafts from them later) at a fraction of the
         cost (no attention read, MoE, head or chain), and the next step gets no MTP drafts."""
         ex = self.ex
-        mshape = MtpShape(ex.shape(ex.layout, bucket, expanded), self.k)
-        mrep, mdev, chain_rows = pack_mtp(mshape, chunks, packed, tables, self.page_size)
+        mshape = self._mshape(bucket, expanded)
+        mrep, mdev, chain_rows = pack_mtp(mshape, chunks, packed, tables, self.page_size, chains=keep)
         self._armed = _Armed(ex.layout, (bucket, expanded), ex.step_hidden, ex.step_prev_tokens, [ex.draft_step_input()],
-                             mrep, mdev, chunks, chain_rows, keep)
+                             mrep, mdev, chunks, chain_rows, keep, mshape)
         sampling = [c.request for c in chunks if c.samples]
         self._rows = dict(zip(sampling, chain_rows)) if keep else {}
+
+    def _mshape(self, bucket, expanded: bool) -> MtpShape:
+        """The MtpShape of this bucket in the current layout (one per key: built once)."""
+        key = (self.ex.layout.name, bucket, expanded)
+        mshape = self._shapes.get(key)
+        if mshape is None:
+            mshape = self._shapes[key] = MtpShape(self.ex.shape(self.ex.layout, bucket, expanded), self.k)
+        return mshape
+
+    def _device_buffer(self, armed: _Armed) -> jax.Array:
+        """The armed step's per-device buffer on the device; for the latents-only program, which
+        reads none of it, one zero buffer per shape kept on the device (no transfer per step)."""
+        if armed.mdev is not None:
+            return jax.device_put(armed.mdev, self.ex.per_device)
+        buf = self._no_chains.get(armed.mshape)
+        if buf is None:
+            size = armed.mshape.device_spec().size
+            buf = self._no_chains[armed.mshape] = jax.device_put(np.zeros((self.ex.n, size), np.int32), self.ex.per_device)
+        return buf
 
     def chain_row(self, request) -> int | None:
         """The chain row of `request` in the last step dispatched, whose draft program leaves its
@@ -401,7 +427,7 @@ class MtpDraftRunner:
             return
         program = self.compiled(armed.layout, *armed.key, latents_only=not armed.keep)
         mrep = jax.device_put(armed.mrep, ex.replicated)
-        mdev = jax.device_put(armed.mdev, ex.per_device)
+        mdev = self._device_buffer(armed)
         vector = None
 
         def run(kv):
