@@ -251,13 +251,16 @@ def test_drafts_after_every_step_are_the_mtp_layers(engine, reference, monkeypat
     assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
 
 
-def test_steps_without_drafts_write_the_latents_drafting_reads(engine, reference, monkeypatch):
+@pytest.mark.parametrize("logprobs", [None, 1], ids=["step-writes", "latents-program"])
+def test_steps_without_drafts_write_the_latents_drafting_reads(engine, reference, monkeypatch, logprobs):
     """A step whose drafts nobody reads (speculation off on an MTP engine, or the draft budget at
-    level 0) runs the latents-only draft program. Prompts prefilled and decoded that way for a few
-    steps, then drafted by the MTP layer: the drafts equal the reference (the whole MTP layer run
-    over every position), so those steps wrote the latents the full program writes; greedy outputs
-    equal one token per step."""
-    params = SamplingParams(max_tokens=24)
+    level 0) writes only the MTP latents: its step program does, when it samples its own tokens
+    (greedy, or a fused full step), and no draft program runs; a step that hands its logits to a
+    sampler program (here: logprobs, which on CPU never fuse) runs the latents-only draft program.
+    Prompts prefilled and decoded that way for a few steps, then drafted by the MTP layer: the
+    drafts equal the reference (the whole MTP layer run over every position), so those steps wrote
+    the latents the full program writes; outputs equal one token per step."""
+    params = SamplingParams(max_tokens=24, logprobs=logprobs)
     want = _generate(engine, "off", PROMPTS, [params] * len(PROMPTS))
     seen = _recording(engine, monkeypatch)
     ran = collections.Counter()
@@ -279,7 +282,7 @@ def test_steps_without_drafts_write_the_latents_drafting_reads(engine, reference
     for o in outs:
         got[o.request_id] += o.delta_token_ids
     assert [got[i] for i in ids] == [w.token_ids for w in want]
-    assert off_steps >= 8 and ran[False] > 0, ran
+    assert off_steps == (8 if logprobs else 0) and ran[False] > 0, ran
     assert len(seen) > 10
     wrong = [(seq, d, reference(seq)) for seq, d in seen if d != reference(seq)]
     assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"

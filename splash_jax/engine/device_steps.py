@@ -110,9 +110,13 @@ class DeviceSteps:
             # has advanced each grammar by the previous step's token (_sample_deferred).
             out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained)
             if self.mtp is not None:  # the MTP pass and draft chain, once the step's tokens exist
-                self.mtp.arm(bucket, expanded, packed, chunks, self.scheduler.tables, keep=self._mtp_keeps(chunks))
-                if not constrained:
-                    self.mtp.fire(out.tokens)
+                keep = self._mtp_keeps(chunks)
+                if keep or self.executor.returns_logits(bucket, full, move is not None, expanded, constrained):
+                    self.mtp.arm(bucket, expanded, packed, chunks, self.scheduler.tables, keep=keep)
+                    if not constrained:
+                        self.mtp.fire(out.tokens)
+                else:  # no drafts wanted, and the step program sampled and wrote its MTP latents itself
+                    self.mtp.skip()
         except Exception as e:  # noqa: BLE001 - the device step failed: its pool is gone
             self._recover(e, chunks)
             return None

@@ -28,6 +28,7 @@ each device's own share (the step holds N segments of that size).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -57,6 +58,7 @@ from splash_jax.engine.step_packer import StepShape, split_step_buffer, step_buf
 from splash_jax.kv.cache import KVCache
 from splash_jax.kv.page_copy import PageCopier
 from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
+from splash_jax.mtp import mtp_latents
 from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
 
 log = logging.getLogger(__name__)
@@ -209,6 +211,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         return StepShape(
             bucket.tokens, bucket.requests, self.n, self.kv_abstract(layout).num_segments, self.pages_per_request,
             layout.owner_rows, self.widths, expanded, self.expanded_spans, self.spec_variants, self.kv.latent.shape[2],
+            self.mtp_hidden,
         )
 
     def expands(self, layout: Layout, bucket: Bucket) -> bool:
@@ -250,7 +253,8 @@ class StepExecutor(StepCompilation, SamplerPrograms):
             move = rest[1:] if fused else rest
             if moving:
                 outgoing, kv = move_pages_start(kv, move[0][0])
-            batch, sampling, token_slot, prompt_len = unpack_step(shape, *split_step_buffer(shape, buf[0]), prev_tokens)
+            rep, dev = split_step_buffer(shape, buf[0])
+            batch, sampling, token_slot, prompt_len = unpack_step(shape, rep, dev, prev_tokens)
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
             if hidden_out:
                 logits, hidden, kv = model(kv, batch, ctx=ctx, return_hidden="all")
@@ -268,6 +272,11 @@ class StepExecutor(StepCompilation, SamplerPrograms):
                 out = sample(logits, sampling, penalties, full=True, mode=mode, mask=mask)
             else:
                 out = sample(logits, sampling, None, full=False)
+            if shape.mtp_next:  # this step's MTP latents, now that its tokens exist (mtp_draft: steps
+                # whose drafts nobody reads then launch no draft program)
+                m = shape.replicated_spec().unpack(rep)
+                nxt = jnp.where(m["m_src"] >= 0, out.tokens[jnp.clip(m["m_src"], 0, shape.rows - 1)], m["m_tokens"])
+                kv = mtp_latents(model, kv, dataclasses.replace(batch, tokens=nxt, prefill_span=None), extra[0], ctx)
             tokens = token_vector(out.tokens, sampling.draft if spec else None, max_rows, draft_rows)
             return (StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties) + extra
 

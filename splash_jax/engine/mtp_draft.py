@@ -79,7 +79,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from splash_jax.attention.layouts import ShardedContext
-from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, row_shifts, split_step_buffer, unpack_step
+from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, next_tokens, row_shifts, split_step_buffer, unpack_step
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
 from splash_jax.mtp import greedy_tokens, lm_head, mtp_latents, mtp_layer_output
@@ -127,8 +127,9 @@ def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int,
     shape = mshape.step
     n, g, rq, w = shape.devices, shape.segments, shape.requests, mshape.width
     t_total, c_total = shape.total_tokens, shape.rows
-    m_tokens = np.zeros(t_total, np.int32)
-    m_src = np.full(t_total, -1, np.int32)
+    nrows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
+    last_row = np.cumsum(nrows) - 1
+    m_tokens, m_src = next_tokens(chunks, packed.base, last_row, t_total)
     c_row0 = np.zeros(c_total, np.int32)
     c_k = np.zeros(c_total, np.int32)
     c_pos = np.zeros(c_total, np.int32)
@@ -136,23 +137,12 @@ def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int,
     if chains:
         c_page = np.full((n, g, rq, w), DROPPED, np.int32)
         c_lens = np.zeros((n, g, rq, w), np.int32)
-    nrows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
-    last_row = np.cumsum(nrows) - 1
     chain_rows, chain = [], []  # chain: (chunk index, chain row, first position)
     for i, c in enumerate(chunks):
-        req, base, length = c.request, int(packed.base[i]), c.num_tokens
-        kc = len(c.drafts)
-        if kc:  # a verify chunk: every row's next token is the token sampled there
-            row0 = int(last_row[i]) - kc
-            m_src[base : base + length] = np.arange(row0, row0 + length)
-        else:
-            nxt = req.token_slice(c.start + 1, min(c.end + 1, req.num_known))
-            m_tokens[base : base + len(nxt)] = nxt
-            row0 = int(last_row[i])
-            if c.samples:
-                m_src[base + length - 1] = row0
         if not (c.samples and chains):
             continue
+        req, kc = c.request, len(c.drafts)
+        row0 = int(last_row[i]) - kc
         lrow = int(packed.lrow[i])
         cr = req.owner * rq + lrow if shape.owner_rows else lrow
         c_row0[cr], c_k[cr], c_pos[cr], c_valid[cr] = row0, kc, c.end - 1 - kc, 1
@@ -412,6 +402,11 @@ class MtpDraftRunner:
         if armed is not None and armed.layout is not self.ex.layout:
             return None
         return self._rows.get(request)
+
+    def skip(self) -> None:
+        """A step with no draft program: no drafts wanted from it, and its step program, which
+        sampled its own tokens, wrote its MTP latents (executor._program, StepShape.mtp_next)."""
+        self._armed, self._rows = None, {}
 
     def fire(self, tokens: jax.Array) -> None:
         """Dispatch the armed step's draft program on its sampled tokens (device array). A layout

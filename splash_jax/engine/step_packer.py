@@ -86,6 +86,9 @@ class StepShape:
     # per count the earlier chunk may keep; 0: none) and the pool's page size they address with.
     variants: int = 0
     page_size: int = 0
+    # The engine runs an MTP layer: the step carries each token slot's next token (next_tokens) and
+    # a step that samples its own tokens writes the MTP latents itself (executor._program)
+    mtp_next: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -114,7 +117,31 @@ def _replicated_spec(shape: StepShape) -> BufferSpec:
     if shape.variants:  # ahead verify chunks (pack_ahead): each token's logits row, each row's shift
         fields += [Field("tok_row", (t,), np.int32), Field("row_shift", (r,), np.int32),
                    Field("var_draft", (shape.variants, r), np.int32)]
+    if shape.mtp_next:  # next_tokens
+        fields += [Field("m_tokens", (t,), np.int32), Field("m_src", (t,), np.int32)]
     return BufferSpec(tuple(fields))
+
+
+def next_tokens(chunks: Sequence, base: np.ndarray, last_row: np.ndarray, t_total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token q+1 of every token slot q, the MTP layer's input there (mtp_draft's module docstring):
+    (m_tokens, m_src) [t_total] int32, the token where the host knows it (the next prompt or known
+    token, also past a prefill chunk's end), else in m_src the logits row whose sampled token it is
+    (-1: m_tokens): a sampling chunk's last slot, and every slot of a verify chunk. base: each
+    chunk's first slot; last_row: each chunk's last logits row."""
+    m_tokens = np.zeros(t_total, np.int32)
+    m_src = np.full(t_total, -1, np.int32)
+    for i, c in enumerate(chunks):
+        req, b, length = c.request, int(base[i]), c.num_tokens
+        kc = len(c.drafts)
+        if kc:  # a verify chunk: every row's next token is the token sampled there
+            row0 = int(last_row[i]) - kc
+            m_src[b : b + length] = np.arange(row0, row0 + length)
+        else:
+            nxt = req.token_slice(c.start + 1, min(c.end + 1, req.num_known))
+            m_tokens[b : b + len(nxt)] = nxt
+            if c.samples:
+                m_src[b + length - 1] = int(last_row[i])
+    return m_tokens, m_src
 
 
 @functools.cache
@@ -413,6 +440,8 @@ def pack_step(
     if shape.expanded:
         per_device["prefill_span"] = prefill_spans(
             n, lengths, starts, lslot, owners if shape.owner_rows else None, span_min_tokens, shape.spans, tq)
+    if shape.mtp_next:
+        ahead["m_tokens"], ahead["m_src"] = next_tokens(chunks, base, row, t_total)
     rep = shape.replicated_spec().pack({
         "tokens": tokens, "positions": positions, "src_row": src_row, "token_slot": token_slot,
         "prompt_len": prompt_len, "logits_index": logits_index,
