@@ -43,8 +43,11 @@ What the program computes (for a step whose chunk of request r covers positions 
      bound every read.) Every step of an engine started with MTP writes these latents, with
      speculation switched off, at the draft budget's level 0 or n-gram too: so every computed
      position, a cached prefix page's too, has its MTP latent when drafting resumes. When no
-     drafts are wanted from a step (MtpDraftRunner.arm's keep) a latents-only variant runs:
-     the layer's input and latent projections and the write (mtp.mtp_latents), nothing else.
+     drafts are wanted from a step (MtpDraftRunner.arm's keep) only the latents are written (the
+     layer's input and latent projections and the write, mtp.mtp_latents): by the step program
+     itself when it samples its own tokens (greedy and fused steps; StepShape.mtp_next packs each
+     slot's next-token source with the step), so no draft program is launched, else by a
+     latents-only variant of the draft program after the sampler program.
      Its head (norm, LM head, argmax) runs only at the last accepted position of each sampling
      chunk (s + a, or e - 1), one row per chain row: draft 1.
   3. Drafts 2..K chain the MTP layer on its own output hidden state and the previous draft, one
