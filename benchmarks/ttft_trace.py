@@ -49,7 +49,7 @@ from benchmarks.common import build_engine as common_build_engine
 from benchmarks.common import parse_engine_and_bench, percentiles, table, write_results
 from benchmarks.dynamic import serve, summarize
 from splash_jax.engine import Engine, EngineConfig
-from splash_jax.engine.prefill_order import PrefillOrder
+from splash_jax.engine.prefill_order import PrefillOrder, ladder_sizes
 from splash_jax.engine.step_timeline import StepTimeline
 
 log = logging.getLogger("benchmarks.ttft_trace")
@@ -91,8 +91,8 @@ def build_engine(config: EngineConfig, c: TraceBenchConfig) -> Engine:
 
 
 def use(engine: Engine, order: PrefillOrder) -> None:
-    """Serve with `order` from now on (the engine is idle)."""
-    engine.scheduler.prefill_order = order
+    """Serve with `order` from now on (the engine is idle), its cap snapped to the engine's buckets."""
+    engine.scheduler.prefill_order = dataclasses.replace(order, buckets=ladder_sizes(engine.config))
     engine.config.scheduling_policy, engine.config.max_prefill_wait_s = order.policy, order.max_wait_s
     engine.config.max_prefill_tokens_with_decodes = order.max_prefill_tokens_with_decodes
 

@@ -115,6 +115,30 @@ def test_the_prefill_cap_holds_while_requests_decode(policy):
     assert any(prefill > cap for prefill, decodes in steps if not decodes)  # no decodes: the whole budget
 
 
+def test_the_cap_fills_a_compiled_bucket_instead_of_spilling_into_the_next():
+    """Steps run padded to the next bucket, so a capped step's tokens (decodes included) stop at a
+    bucket: 4096 prefill tokens beside 21 decodes would otherwise run as an 8192-token step."""
+    from splash_jax.engine.config import EngineConfig
+    from splash_jax.engine.prefill_order import ladder_sizes
+
+    sizes = ladder_sizes(EngineConfig(max_num_batched_tokens=8192, min_token_bucket=16))
+    assert sizes == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    order = PrefillOrder("fcfs", 1.0, 4096, sizes)
+    assert order.prefill_budget(8192, 21) == 4096  # 4075 prefill tokens: the 4096 program, no padding
+    assert order.prefill_budget(8192, 0) == 8192  # no decodes: the whole budget
+    assert PrefillOrder("fcfs", 1.0, 4096).prefill_budget(8192, 21) == 4117  # without the ladder: cap + decodes
+    assert PrefillOrder("fcfs", 1.0, 9000, sizes).prefill_budget(8192, 21) == 8192  # never past the budget
+    assert PrefillOrder("fcfs", 1.0, 16, sizes).prefill_budget(8192, 40) == 56  # no bucket between: cap + decodes
+    # on the fake step: every capped step with decodes and prefill left over fills its bucket exactly
+    order = PrefillOrder("fcfs", 1e9, 5, (1, 2, 4, 8, 16))
+    out, _, steps = drive(order, ARRIVALS)
+    assert out == drive(PrefillOrder(), ARRIVALS)[0]
+    capped = [(p, d) for p, d in steps if d and p]
+    assert all(order.prefill_budget(16, d) in (4, 8) for _, d in capped)  # a bucket at every decode count seen
+    assert all(p + d <= order.prefill_budget(16, d) for p, d in capped), steps
+    assert sum(p + d == order.prefill_budget(16, d) for p, d in capped) >= 3, steps  # filled, not padded
+
+
 @pytest.mark.slow  # the same outputs at the scheduler: test_srpf_keeps_every_page_consistent_under_random_interleavings
 def test_engine_srpf_with_a_cap_gives_fcfs_outputs_and_compiles_nothing():
     from splash_jax.compile_guard import count_compiles

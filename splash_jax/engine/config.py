@@ -60,8 +60,9 @@ class EngineConfig:
     # then those waiting past --max-prefill-wait-s since arrival, oldest first, then fewest prompt tokens left)
     scheduling_policy: str = "fcfs"
     max_prefill_wait_s: float = 1.0  # srpf: the age bound above, seconds since the request arrived
-    # While any request decodes, a step takes at most this many prefill tokens, so decodes never wait
-    # behind a full --max-num-batched-tokens prefill chunk (0 = no cap); steps without decodes use the whole budget.
+    # While any request decodes, a step's tokens stay within the largest step bucket of at most this many
+    # prefill tokens plus the decodes' (no padding to the next bucket), so decodes never wait behind a full
+    # --max-num-batched-tokens prefill chunk (0 = no cap); steps without decodes use the whole budget.
     max_prefill_tokens_with_decodes: int = 0
     # Automatic prefix caching: full pages stay cached under the exact tokens of the prefix they end
     # and a new request reuses its longest cached prefix (every layout; kept across switches).

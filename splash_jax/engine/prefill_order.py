@@ -17,10 +17,14 @@ The scheduler (engine/scheduler.py) gives each step's token budget to decoding r
         SGLang's schedule policies and vLLM's priority scheduling make similar choices; the age
         bound is ours.
 
-`max_prefill_tokens_with_decodes` (0 = off): while any request decodes, a step takes at most
-that many prefill tokens, so a decode step is never one long prefill chunk (decode latency,
-TPOT, stays near the decode step's time); steps without decodes use the whole budget. The step
-shapes stay within the compiled buckets (fewer tokens than max_num_batched_tokens).
+`max_prefill_tokens_with_decodes` (0 = off): while any request decodes, a step's tokens (the
+decodes' and prefill's together) stay within the largest compiled step bucket of at most that cap
+plus the decode tokens, so a decode step is never one long prefill chunk (decode latency, TPOT,
+stays near the decode step's time); steps without decodes use the whole budget. Snapping to a
+bucket matters: the steps run padded to the next power of two, so a cap of 4096 counted in
+prefill tokens alone put 4096 + 21 decode tokens into the 8192-token program, which costs about
+what an uncapped step costs while doing half its prefill (the first H200 measurement of the cap,
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class PrefillOrder:
     policy: str = "fcfs"  # fcfs | srpf
     max_wait_s: float = 1.0  # srpf: past this age (since arrival) a request goes first, oldest first
     max_prefill_tokens_with_decodes: int = 0  # prefill tokens per step while requests decode (0: no cap)
+    buckets: tuple[int, ...] = ()  # the step programs' token sizes (engine/step_programs.bucket_ladder)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -49,8 +54,10 @@ class PrefillOrder:
 
     @classmethod
     def of(cls, config) -> PrefillOrder:
-        """From an EngineConfig's scheduling_policy, max_prefill_wait_s, max_prefill_tokens_with_decodes."""
-        return cls(config.scheduling_policy, config.max_prefill_wait_s, config.max_prefill_tokens_with_decodes)
+        """From an EngineConfig's scheduling_policy, max_prefill_wait_s, max_prefill_tokens_with_decodes
+        and its step ladder."""
+        return cls(config.scheduling_policy, config.max_prefill_wait_s, config.max_prefill_tokens_with_decodes,
+                   ladder_sizes(config))
 
     def key(self, request, now: float) -> tuple:
         """srpf's rank of a request (smaller first): (tier, then within the tier)."""
@@ -83,8 +90,19 @@ class PrefillOrder:
         return out + [ALL]
 
     def prefill_budget(self, budget: int, decode_tokens: int) -> int:
-        """The step's token budget once the decodes' `decode_tokens` are counted in it: capped so
-        prefill chunks get at most max_prefill_tokens_with_decodes while anything decodes (a
-        decode dropped from the step, preempted by another, leaves its token to prefill)."""
+        """The step's token budget once the decodes' `decode_tokens` are counted in it. While
+        anything decodes and a cap is set: the largest bucket of at most decode_tokens + cap that
+        leaves prefill a token (without buckets, or with none such, decode_tokens + cap itself).
+        A decode dropped from the step, preempted by another, leaves its token to prefill."""
         cap = self.max_prefill_tokens_with_decodes
-        return min(budget, decode_tokens + cap) if decode_tokens and cap else budget
+        if not (decode_tokens and cap):
+            return budget
+        target = min(budget, decode_tokens + cap)
+        return max((b for b in self.buckets if decode_tokens < b <= target), default=target)
+
+
+def ladder_sizes(config) -> tuple[int, ...]:
+    """The token sizes of the engine's step programs under the layout that pads least (tp's)."""
+    from splash_jax.engine.step_programs import bucket_ladder
+
+    return tuple(b.tokens for b in bucket_ladder(config.max_num_batched_tokens, 1, config.min_token_bucket))
