@@ -47,7 +47,6 @@ import logging
 import time
 
 import jax
-import numpy as np
 
 from benchmarks import workloads as W
 from benchmarks.cache_census import census
@@ -257,6 +256,11 @@ def serve(engine: Engine, arrivals: list[W.Arrival], seed: int, caching: str = "
             if not nexts:
                 break
             time.sleep(max(0.0, min(nexts) - now))
+            continue
+        delay = engine.dispatch_delay_s()  # a long prefill step runs: arrivals until shortly before it ends join the next
+        if delay > 0.0:
+            nexts = ([arrivals[opened[nxt]].t] if nxt < len(opened) else []) + ([due[0][0]] if due else [])
+            time.sleep(max(0.0, min([delay] + [t - now for t in nexts])))
             continue
         outs = engine.step()
         now = time.perf_counter() - t0

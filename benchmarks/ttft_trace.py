@@ -23,10 +23,11 @@ It is replayed by the wall clock as benchmarks/dynamic.py replays it (`serve`: a
 at the first step boundary after its arrival; TTFT counts from the arrival), once per policy,
 every run starting with an empty prefix cache, greedy with ignore_eos to each row's output length.
 
---policies: comma-separated NAME[:CAP[:WAIT]] (engine/prefill_order.py): NAME fcfs or srpf, CAP
+--policies: comma-separated NAME[:CAP[:WAIT[:LATE]]] (engine/prefill_order.py): NAME fcfs or srpf, CAP
 the prefill tokens a step may take while requests decode (0: no cap; default 0), WAIT srpf's age
 bound in trace seconds (default --max-prefill-wait-s), multiplied by --time-scale as arrival
-times are. The default compares today's order (fcfs:0) with srpf and a 4096-token cap.
+times are, LATE on or off: late dispatch behind long prefill steps (engine/dispatch_timing.py;
+default --late-dispatch). The default compares today's order (fcfs:0) with srpf and a 4096-token cap.
 
 Unloaded TTFT: the trace's median-length prompt and its longest, each alone on the idle engine
 with an empty cache (--unloaded-repeats runs, the median kept). Reported per policy: TTFT and TPOT
@@ -49,6 +50,7 @@ from benchmarks.common import build_engine as common_build_engine
 from benchmarks.common import parse_engine_and_bench, percentiles, table, write_results
 from benchmarks.dynamic import serve, summarize
 from splash_jax.engine import Engine, EngineConfig
+from splash_jax.engine.dispatch_timing import DispatchTiming
 from splash_jax.engine.prefill_order import PrefillOrder, ladder_sizes
 from splash_jax.engine.step_timeline import StepTimeline
 
@@ -68,21 +70,22 @@ class TraceBenchConfig:
     tokens_per_block: int = 0  # replay each block as this many tokens, output lengths scaled alike (0 = unscaled)
     num_requests: int = 0  # replay the first N rows (0 = all)
     time_scale: float = 1.0  # multiplies arrival times (and srpf's age bound)
-    policies: str = "fcfs:0,srpf:4096"  # NAME[:CAP[:WAIT]], comma-separated (see above)
+    policies: str = "fcfs:0,srpf:4096"  # NAME[:CAP[:WAIT[:LATE]]], comma-separated (see above)
     unloaded_repeats: int = 3  # runs of each unloaded prompt (the median is kept)
     bench_seed: int = 0  # seeds block tokens
     max_run_s: float = 1800.0  # a run still going after this is stopped and marked incomplete
 
 
-def parse_policies(spec: str, default_wait: float, time_scale: float) -> list[tuple[str, PrefillOrder]]:
+def parse_policies(spec: str, default_wait: float, time_scale: float) -> list[tuple[str, PrefillOrder, bool | None]]:
     out = []
     for item in spec.split(","):
         parts = item.strip().split(":")
-        if not 1 <= len(parts) <= 3 or not parts[0]:
-            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT]] items, got {item!r}")
+        if not 1 <= len(parts) <= 4 or not parts[0] or len(parts) == 4 and parts[3] not in ("on", "off"):
+            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE]]] items (LATE on or off), got {item!r}")
         cap = int(parts[1]) if len(parts) > 1 else 0
         wait = float(parts[2]) if len(parts) > 2 else default_wait
-        out.append((item.strip(), PrefillOrder(parts[0], wait * time_scale, cap)))
+        late = parts[3] == "on" if len(parts) > 3 else None
+        out.append((item.strip(), PrefillOrder(parts[0], wait * time_scale, cap), late))
     return out
 
 
@@ -120,9 +123,10 @@ def by_quartile(records) -> list[dict]:
     return out
 
 
-def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrder, c: TraceBenchConfig) -> dict:
+def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrder, late: bool, c: TraceBenchConfig) -> dict:
     use(engine, order)
     engine.timeline = StepTimeline()  # this run's step intervals only
+    engine.dispatch_timing = DispatchTiming(late)  # and its own step timings
     t0 = time.perf_counter()
     s = serve(engine, arrivals, c.bench_seed, "on", c.max_run_s, name)
     out = summarize(s.records, s.samples, s.preemptions, [])
@@ -130,6 +134,7 @@ def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrde
             "complete": s.complete, "prefix_cache": s.prefix_cache, "host_ms": s.host_ms,
             "wrong_lengths": sum(r.tokens != r.output_len for r in s.records if r.finished is not None),
             "step_intervals": engine.timeline.summary(), "ttft_by_length_quartile": by_quartile(s.records),
+            "late_dispatch": engine.dispatch_timing.summary(),
             "outputs": s.outputs, "run_s": time.perf_counter() - t0,
             # per request: prompt tokens, arrival, first token, finish (s from the run's start), output tokens
             "per_request": [[r.prompt_len, r.arrival, r.first_token, r.finished, r.tokens] for r in s.records]}
@@ -152,6 +157,7 @@ def rows_of(results: dict, unloaded: dict) -> list[dict]:
             "ttft_p99_over_unloaded_longest": ratio(ttft["p99"], unloaded["longest"]["ttft_s"]),
             "tpot_p99_over_p50": ratio(tpot["p99"], tpot["p50"]),
             "step_p99_ms": (steps.get("with_prefill") or {}).get("p99_ms"),
+            "late_waits": r["late_dispatch"]["waits"] if r["late_dispatch"]["enabled"] else "off",
             "hit_rate": r["hit_rate"], "preempt": r["preemptions"], "done": f"{r['completed']}/{r['requests']}",
             "same_outputs": sum(a == b for a, b in zip(r["outputs"], first["outputs"])),
         })
@@ -159,7 +165,7 @@ def rows_of(results: dict, unloaded: dict) -> list[dict]:
 
 
 COLUMNS = ["policy", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "tok_s", "ttft_p50_over_unloaded_median",
-           "ttft_p99_over_unloaded_longest", "tpot_p99_over_p50", "step_p99_ms", "hit_rate", "preempt", "done",
+           "ttft_p99_over_unloaded_longest", "tpot_p99_over_p50", "step_p99_ms", "late_waits", "hit_rate", "preempt", "done",
            "same_outputs"]
 
 
@@ -191,8 +197,9 @@ def main(argv=None):
              unloaded["median"]["prompt_len"], unloaded["median"]["ttft_s"], unloaded["longest"]["prompt_len"],
              unloaded["longest"]["ttft_s"])
     results = {}
-    for name, order in policies:
-        results[name] = r = run(engine, arrivals, name, order, c)
+    default_late = engine.dispatch_timing.enabled  # --late-dispatch, for policies without LATE
+    for name, order, late in policies:
+        results[name] = r = run(engine, arrivals, name, order, default_late if late is None else late, c)
         log.info("%s: TTFT p50 %.4g p99 %.4g s, TPOT p50 %.4g p99 %.4g s, %.4g tok/s, %d/%d done (%.1fs)", name,
                  r["ttft_s"]["p50"] or 0, r["ttft_s"]["p99"] or 0, r["tpot_s"]["p50"] or 0, r["tpot_s"]["p99"] or 0,
                  r["tokens_per_s"], r["completed"], r["requests"], r["run_s"])

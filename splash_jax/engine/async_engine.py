@@ -164,7 +164,11 @@ class AsyncEngine(OutputStreams):
         try:
             while not self._stopping:
                 self._drain_commands()
-                if self.engine.has_work():
+                delay = getattr(self.engine, "dispatch_delay_s", float)()  # a long prefill step runs: take arrivals
+                if self.engine.has_work() and delay > 0.0:
+                    self._wake.wait(delay)
+                    self._wake.clear()
+                elif self.engine.has_work():
                     self._step()
                 else:
                     self._refresh_stats(force=True)

@@ -87,6 +87,10 @@ class EngineConfig:
     # planned requests begin while the rest are planned): bounds the host time of any boundary.
     switch_plan_pages: int = 1024
     overlap_scheduling: bool = True  # dispatch step k+1 before step k's tokens reach the host
+    # While a long prefill step runs (engine/dispatch_timing.py), the next step is scheduled only
+    # shortly before it is predicted to end, so requests arriving meanwhile join it instead of waiting
+    # for it too (auto: on accelerators; off on CPU, where the "device" shares the host's cores).
+    late_dispatch: str = "auto"
     # Speculative decoding: off | ngram (drafts from the request's own prompt and output, prompt
     # lookup; no model) | mtp (drafts from the checkpoint's multi-token-prediction layer, DeepSeek-V3's
     # num_nextn_predict_layers, chained K times; loaded only then, its latents in an extra pool layer:
@@ -257,6 +261,9 @@ class EngineConfig:
         from splash_jax.engine.prefill_order import PrefillOrder
 
         PrefillOrder.of(self)  # raises on a bad policy, age bound or cap
+        from splash_jax.engine.dispatch_timing import resolved
+
+        resolved(self.late_dispatch, "cpu")  # raises on an unknown mode
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod

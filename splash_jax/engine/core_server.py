@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import os
 import signal
 import threading
@@ -66,7 +67,7 @@ class CoreServer:
                 self._drain(self._wait_ms(stalled))
                 self._admit_compiled()
                 stalled = False
-                if self.engine.has_work():
+                if self.engine.has_work() and self.engine.dispatch_delay_s() <= 0.0:  # else: wait for arrivals
                     steps = self.engine.num_steps
                     self._step()
                     stalled = self.engine.num_steps == steps and not self.engine.has_inflight()
@@ -87,9 +88,10 @@ class CoreServer:
             self.ctx.destroy(linger=200)
 
     def _wait_ms(self, stalled: bool) -> int:
-        """How long to wait for messages before the next step: not at all while steps run."""
+        """How long to wait for messages before the next step: not at all while steps run, but
+        while a long prefill step runs until shortly before it ends (engine/dispatch_timing.py)."""
         if self.engine.has_work() and not stalled:
-            return 0
+            return math.ceil(self.engine.dispatch_delay_s() * 1000)
         if self.compiling:
             return 1  # a grammar is compiling: queue its request soon
         return 5 if stalled else int(STATS_INTERVAL_S * 1000)

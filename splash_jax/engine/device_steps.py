@@ -161,6 +161,7 @@ class DeviceSteps:
             tokens = np.asarray(step.result.tokens)[0]  # by logits row (token_vector's row 0)
             self._last_wait_s = time.perf_counter() - t
             self.device_wait_s += self._last_wait_s
+            self.dispatch_timing.completed(step, self._last_wait_s)
             r = step.result
             logprobs = jax.device_get((r.logprob, r.top_ids, r.top_logprobs)) if step.want_logprobs else None
         except Exception as e:  # noqa: BLE001 - the step failed on the device

@@ -40,7 +40,9 @@ from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.scheduler import Scheduler
 from splash_jax.engine.speculative import MtpDrafter
 from splash_jax.engine.step_packer import SlotSampling
-from splash_jax.engine.step_timeline import StepTimeline
+from splash_jax.engine.step_timeline import StepTimeline, classify
+from splash_jax.engine.dispatch_timing import DispatchTiming
+from splash_jax.engine.dispatch_timing import resolved as resolve_late_dispatch
 from splash_jax.engine.warmup import run_every_program_once
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.kv.capacity import (
@@ -213,6 +215,7 @@ class EngineCore(DeviceSteps, SpeculationControl):
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
+        self.dispatch_timing = DispatchTiming(resolve_late_dispatch(config.late_dispatch, backend))
         self._completed_last_call = False
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
         self._failed: list[CoreOutput] = []
@@ -314,6 +317,8 @@ class EngineCore(DeviceSteps, SpeculationControl):
         t2 = time.perf_counter()
         dispatched = self._dispatch(chunks) if chunks else None
         t3 = time.perf_counter()
+        if dispatched is not None:
+            self.dispatch_timing.dispatched(dispatched, classify(chunks)[0], t3 - t1)
         if self.switcher is not None:
             # Batch boundary: a finished migration hands off here, after this step (still in the
             # source layout) is queued, so its host work runs while the device computes; the
@@ -344,6 +349,13 @@ class EngineCore(DeviceSteps, SpeculationControl):
             self.host_phase_ms[phase] = self.host_phase_ms.get(phase, 0.0) + ms
         self.timeline.host_time(time.thread_time() - cpu0)
         return outputs + self._failed_now()
+
+    def dispatch_delay_s(self) -> float:
+        """How long the loop driving step() may still wait for new requests before calling it:
+        > 0 only while a long prefill step runs (engine/dispatch_timing.py, --late-dispatch)."""
+        if not self.overlapped or self._inflight is None or self.switcher is not None and self.switcher.active:
+            return 0.0
+        return self.dispatch_timing.delay_s(self._inflight)
 
     @property
     def overlapped(self) -> bool:

@@ -47,6 +47,7 @@ def engine_stats(engine) -> dict:
         "compile": engine.executor.compile_stats.summary(),  # start-up compiles: programs, seconds, cache hits
         "program_memory": engine.executor.memory_summary(),  # XLA temporaries per step program, the largest
         "step_intervals": engine.timeline.summary(),  # cadence by step kind (engine/step_timeline.py)
+        "late_dispatch": engine.dispatch_timing.summary(),  # waits for arrivals behind long steps (engine/dispatch_timing.py)
         "structured_outputs": engine.masks.summary(),
         # drafts proposed and accepted (engine/speculative.py); None with speculation off
         "speculative": (dict(engine.scheduler.spec_stats.summary(engine.config.speculative_method),

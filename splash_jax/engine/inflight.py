@@ -30,6 +30,8 @@ class InFlight:
     mode: SamplerMode = FULL_MODE
     mask: np.ndarray | concurrent.futures.Future | None = None  # its grammar masks, or their fill in progress
     draft_key: tuple[int, int] | None = None  # (batch bucket, level) the draft budget chose it at (engine/draft_budget.py)
+    dispatch_end: float | None = None  # when its dispatch returned (engine/dispatch_timing.py)
+    prefill_tokens: int = 0  # prompt tokens it computes
 
 
 class GrammarMasks:
