@@ -89,8 +89,10 @@ class EngineConfig:
     overlap_scheduling: bool = True  # dispatch step k+1 before step k's tokens reach the host
     # While a long prefill step runs (engine/dispatch_timing.py), the next step is scheduled only
     # shortly before it is predicted to end, so requests arriving meanwhile join it instead of waiting
-    # for it too (auto: on accelerators; off on CPU, where the "device" shares the host's cores).
-    late_dispatch: str = "auto"
+    # for it too (auto: on accelerators; off on CPU, where the "device" shares the host's cores). Off by
+    # default: on the Mooncake-shaped trace (one H100) it moved TTFT p50 by 0% under fcfs and -7% under
+    # srpf, with srpf's p99 +23% (docs/performance.md, "Prefill order and chunk budget").
+    late_dispatch: str = "off"
     # Speculative decoding: off | ngram (drafts from the request's own prompt and output, prompt
     # lookup; no model) | mtp (drafts from the checkpoint's multi-token-prediction layer, DeepSeek-V3's
     # num_nextn_predict_layers, chained K times; loaded only then, its latents in an extra pool layer:
