@@ -4,6 +4,7 @@ without (arrivals meanwhile join it), idle time never lengthens the predictions;
 engine, replaying arrivals with it on gives the outputs of a replay with it off."""
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -17,8 +18,14 @@ class Step:
     device_s: float
     dispatch_end: float | None = None
     prefill_tokens: int = 0
+    sent: float = 0.0  # when the simulated dispatch returned
     start: float = 0.0
     end: float = 0.0
+
+    @property
+    def chunks(self):  # one prompt chunk of `tokens` tokens, as step_timeline.classify reads it
+        request = types.SimpleNamespace(prompt_ids=range(self.tokens + 1))
+        return [types.SimpleNamespace(request=request, start=0, end=self.tokens)]
 
 
 class Clock:
@@ -44,7 +51,8 @@ def simulate(late: bool, n: int = 40, host_s: float = 0.004, seed: int = 0):
             assert delay >= 0.0
             clock.t += delay  # the loop waits for arrivals
         clock.t += host_s  # schedule + dispatch
-        timing.dispatched(s, s.tokens, host_s)
+        timing.dispatched(s, host_s)
+        s.sent = clock.t
         s.start = max(clock.t, device_free)
         s.end = device_free = s.start + s.device_s
         if inflight is not None:  # read back the step before: block until it ends
@@ -62,8 +70,8 @@ def test_the_next_step_goes_out_late_but_before_the_device_runs_dry():
     assert max(early_gaps) == 0.0 and max(gaps) < 1e-12  # never an idle device, late or not
     # without: each step is dispatched right after the one before it, a whole step ahead;
     # with: once 4 long steps are timed, within lead + (device time - predicted) of the end before
-    ahead = [a.end - b.dispatch_end for a, b in zip(steps[5:], steps[6:])]
-    ahead_early = [a.end - b.dispatch_end for a, b in zip(early_steps[5:], early_steps[6:])]
+    ahead = [a.end - b.sent for a, b in zip(steps[5:], steps[6:])]
+    ahead_early = [a.end - b.sent for a, b in zip(early_steps[5:], early_steps[6:])]
     assert min(ahead_early) > 0.09  # the next step waited ~a whole 100-160 ms step ahead
     # (the prediction is at least the step's device time / 1.6: the cheapest rate seen)
     assert all(0.0 <= a <= timing.lead_s(s.device_s) + 0.375 * s.device_s + 1e-9 for a, s in zip(ahead, steps[5:]))
@@ -79,7 +87,7 @@ def test_idle_time_before_a_step_never_counts_as_its_device_time():
     for _ in range(6):  # each step dispatched onto an idle device, 1 s after the last one ended
         s = Step(4096, 0.05)
         clock.t += 1.0
-        timing.dispatched(s, s.tokens, 0.003)
+        timing.dispatched(s, 0.003)
         clock.t += s.device_s
         timing.completed(s, waited_s=s.device_s)
     assert timing.summary()["min_ms_per_1k_prefill_tokens"] == pytest.approx(0.05 / 4096 * 1e6, abs=1e-3)
@@ -89,21 +97,21 @@ def test_short_steps_and_cold_starts_are_never_waited_on():
     clock = Clock()
     timing = DispatchTiming(True, DispatchTimingConfig(min_samples=2), clock=clock)
     long = Step(8192, 0.1)
-    timing.dispatched(long, long.tokens, 0.002)
+    timing.dispatched(long, 0.002)
     assert timing.delay_s(long) == 0.0  # nothing timed yet
     for _ in range(2):
         s = Step(8192, 0.1)
-        timing.dispatched(s, s.tokens, 0.002)
+        timing.dispatched(s, 0.002)
         clock.t += 0.1
         timing.completed(s, 0.1)
     decode = Step(64, 0.01)
-    timing.dispatched(decode, 64, 0.002)
+    timing.dispatched(decode, 0.002)
     assert timing.delay_s(decode) == 0.0  # too few prefill tokens
     small = Step(1024, 0.0125)
-    timing.dispatched(small, 1024, 0.002)
+    timing.dispatched(small, 0.002)
     assert timing.delay_s(small) == 0.0  # predicted under min_step_s
     big = Step(8192, 0.1)
-    timing.dispatched(big, 8192, 0.002)
+    timing.dispatched(big, 0.002)
     assert timing.delay_s(big) == pytest.approx(0.1 - timing.lead_s(0.1))  # lead: 1.5 x 2 ms + 2 ms + 10 ms
     assert DispatchTiming(False, clock=clock).delay_s(big) == 0.0
     assert resolved("auto", "cpu") is False and resolved("auto", "gpu") is True and resolved("on", "cpu") is True

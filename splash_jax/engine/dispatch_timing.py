@@ -38,6 +38,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
+
+from splash_jax.engine.step_timeline import classify
 
 MODES = ("auto", "on", "off")
 
@@ -64,8 +67,6 @@ class DispatchTiming:
     """Device times of recent steps and the delay before the next dispatch (module docstring)."""
 
     def __init__(self, enabled: bool, config: DispatchTimingConfig | None = None, clock=None):
-        import time
-
         self.enabled = enabled
         self.config = config or DispatchTimingConfig()
         self.clock = clock or time.perf_counter
@@ -76,10 +77,13 @@ class DispatchTiming:
         self.waited_s = 0.0  # time the driving loops waited on delay_s (stats)
         self.waits = 0  # steps they held back
 
-    def dispatched(self, step, prefill_tokens: int, host_s: float) -> None:
-        """A step was dispatched now (`host_s`: its schedule and dispatch host time)."""
+    def dispatched(self, step, host_s: float) -> None:
+        """A step was dispatched now (`host_s`: its schedule and dispatch host time). Off: nothing
+        (no per-step host work)."""
+        if not self.enabled:
+            return
         step.dispatch_end = self.clock()
-        step.prefill_tokens = prefill_tokens
+        step.prefill_tokens = classify(step.chunks)[0]
         self._host.append(host_s)
         if self._wait_from is not None:  # the loop waited on delay_s before this step
             self.waited_s += step.dispatch_end - host_s - self._wait_from
@@ -88,6 +92,8 @@ class DispatchTiming:
 
     def completed(self, step, waited_s: float) -> None:
         """A step's tokens reached the host now, after the host blocked `waited_s` for them."""
+        if not self.enabled:
+            return
         now, waited = self.clock(), waited_s > 1e-4
         if waited and step.dispatch_end is not None and step.prefill_tokens >= self.config.min_prefill_tokens:
             start = step.dispatch_end if self._last_done is None else max(step.dispatch_end, self._last_done)

@@ -40,7 +40,7 @@ from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.scheduler import Scheduler
 from splash_jax.engine.speculative import MtpDrafter
 from splash_jax.engine.step_packer import SlotSampling
-from splash_jax.engine.step_timeline import StepTimeline, classify
+from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.engine.dispatch_timing import DispatchTiming
 from splash_jax.engine.dispatch_timing import resolved as resolve_late_dispatch
 from splash_jax.engine.warmup import run_every_program_once
@@ -318,7 +318,7 @@ class EngineCore(DeviceSteps, SpeculationControl):
         dispatched = self._dispatch(chunks) if chunks else None
         t3 = time.perf_counter()
         if dispatched is not None:
-            self.dispatch_timing.dispatched(dispatched, classify(chunks)[0], t3 - t1)
+            self.dispatch_timing.dispatched(dispatched, t3 - t1)
         if self.switcher is not None:
             # Batch boundary: a finished migration hands off here, after this step (still in the
             # source layout) is queued, so its host work runs while the device computes; the
