@@ -23,11 +23,14 @@ It is replayed by the wall clock as benchmarks/dynamic.py replays it (`serve`: a
 at the first step boundary after its arrival; TTFT counts from the arrival), once per policy,
 every run starting with an empty prefix cache, greedy with ignore_eos to each row's output length.
 
---policies: comma-separated NAME[:CAP[:WAIT[:LATE]]] (engine/prefill_order.py): NAME fcfs or srpf, CAP
-the prefill tokens a step may take while requests decode (0: no cap; default 0), WAIT srpf's age
+--policies: comma-separated NAME[:CAP[:WAIT[:LATE[:GAP]]]] (engine/prefill_order.py): NAME fcfs or srpf,
+CAP the prefill tokens a step may take while requests decode (0: no cap; default 0), WAIT srpf's age
 bound in trace seconds (default --max-prefill-wait-s), multiplied by --time-scale as arrival
 times are, LATE on or off: late dispatch behind long prefill steps (engine/dispatch_timing.py;
-default --late-dispatch). The default compares today's order (fcfs:0) with srpf and a 4096-token cap.
+default --late-dispatch), GAP the step buckets' --token-bucket-gap (default the engine's; 0: powers
+of two). The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must give a subset
+of it (0 under a power-of-two gap does): both ladders are served by one engine, in one run.
+The default compares today's order (fcfs:0) with srpf and a 4096-token cap.
 
 Unloaded TTFT: the trace's median-length prompt and its longest, each alone on the idle engine
 with an empty cache (--unloaded-repeats runs, the median kept). Reported per policy: TTFT and TPOT
@@ -43,6 +46,7 @@ import dataclasses
 import logging
 import time
 
+import jax
 import numpy as np
 
 from benchmarks import workloads as W
@@ -70,39 +74,68 @@ class TraceBenchConfig:
     tokens_per_block: int = 0  # replay each block as this many tokens, output lengths scaled alike (0 = unscaled)
     num_requests: int = 0  # replay the first N rows (0 = all)
     time_scale: float = 1.0  # multiplies arrival times (and srpf's age bound)
-    policies: str = "fcfs:0,srpf:4096"  # NAME[:CAP[:WAIT[:LATE]]], comma-separated (see above)
+    policies: str = "fcfs:0,srpf:4096"  # NAME[:CAP[:WAIT[:LATE[:GAP]]]], comma-separated (see above)
     unloaded_repeats: int = 3  # runs of each unloaded prompt (the median is kept)
     bench_seed: int = 0  # seeds block tokens
     max_run_s: float = 1800.0  # a run still going after this is stopped and marked incomplete
 
 
-def parse_policies(spec: str, default_wait: float, time_scale: float) -> list[tuple[str, PrefillOrder, bool | None]]:
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    name: str  # as given in --policies
+    order: PrefillOrder
+    late: bool | None  # None: --late-dispatch
+    gap: int | None  # None: --token-bucket-gap
+
+
+def parse_policies(spec: str, default_wait: float, time_scale: float) -> list[Policy]:
     out = []
     for item in spec.split(","):
         parts = item.strip().split(":")
-        if not 1 <= len(parts) <= 4 or not parts[0] or len(parts) == 4 and parts[3] not in ("on", "off"):
-            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE]]] items (LATE on or off), got {item!r}")
+        if not 1 <= len(parts) <= 5 or not parts[0] or len(parts) >= 4 and parts[3] not in ("on", "off"):
+            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP]]]] items (LATE on or off), got {item!r}")
         cap = int(parts[1]) if len(parts) > 1 else 0
         wait = float(parts[2]) if len(parts) > 2 else default_wait
         late = parts[3] == "on" if len(parts) > 3 else None
-        out.append((item.strip(), PrefillOrder(parts[0], wait * time_scale, cap), late))
+        gap = int(parts[4]) if len(parts) > 4 else None
+        out.append(Policy(item.strip(), PrefillOrder(parts[0], wait * time_scale, cap), late, gap))
     return out
+
+
+def compiled_gap(engine: Engine) -> int:
+    """The --token-bucket-gap the engine compiled its ladder with (ex.ladder holds the last run's)."""
+    return engine.config.resolved_token_bucket_gap(jax.default_backend())
+
+
+def use_ladder(engine: Engine, gap: int) -> None:
+    """Steps pick their buckets from the ladder of `gap` from now on (the engine is idle): a subset
+    of the compiled one, so nothing compiles."""
+    ex = engine.executor
+    compiled = set(ladder_sizes(engine.config, compiled_gap(engine)))
+    wanted = ladder_sizes(engine.config, gap)
+    if not set(wanted) <= compiled:
+        raise SystemExit(f"GAP {gap} needs buckets {sorted(set(wanted) - compiled)} that --token-bucket-gap "
+                         f"{compiled_gap(engine)} does not compile")
+    ex.ladder = (*ex.ladder[:3], gap)
 
 
 def build_engine(config: EngineConfig, c: TraceBenchConfig) -> Engine:
     return common_build_engine(config, c.shape, c.num_layers)
 
 
-def use(engine: Engine, order: PrefillOrder) -> None:
-    """Serve with `order` from now on (the engine is idle), its cap snapped to the engine's buckets."""
-    engine.scheduler.prefill_order = dataclasses.replace(order, buckets=ladder_sizes(engine.config))
+def use(engine: Engine, order: PrefillOrder, gap: int) -> None:
+    """Serve with `order` and the ladder of `gap` from now on (the engine is idle), the cap snapped
+    to that ladder's buckets."""
+    use_ladder(engine, gap)
+    engine.scheduler.prefill_order = dataclasses.replace(order, buckets=ladder_sizes(engine.config, gap))
     engine.config.scheduling_policy, engine.config.max_prefill_wait_s = order.policy, order.max_wait_s
     engine.config.max_prefill_tokens_with_decodes = order.max_prefill_tokens_with_decodes
 
 
-def unloaded_ttft(engine: Engine, a: W.Arrival, c: TraceBenchConfig) -> dict:
-    """TTFT of `a`'s prompt alone on the idle engine, cold cache, fcfs (nothing else runs)."""
-    use(engine, PrefillOrder())
+def unloaded_ttft(engine: Engine, a: W.Arrival, c: TraceBenchConfig, gap: int) -> dict:
+    """TTFT of `a`'s prompt alone on the idle engine, cold cache, fcfs (nothing else runs), its
+    steps from the ladder of `gap`."""
+    use(engine, PrefillOrder(), gap)
     alone = dataclasses.replace(a, t=0.0, output_len=1)
     runs = []
     for _ in range(c.unloaded_repeats):
@@ -123,14 +156,16 @@ def by_quartile(records) -> list[dict]:
     return out
 
 
-def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrder, late: bool, c: TraceBenchConfig) -> dict:
-    use(engine, order)
+def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrder, late: bool, gap: int,
+        c: TraceBenchConfig) -> dict:
+    use(engine, order, gap)
     engine.timeline = StepTimeline()  # this run's step intervals only
     engine.dispatch_timing = DispatchTiming(late)  # and its own step timings
     t0 = time.perf_counter()
     s = serve(engine, arrivals, c.bench_seed, "on", c.max_run_s, name)
     out = summarize(s.records, s.samples, s.preemptions, [])
     out |= {"policy": order.policy, "max_wait_s": order.max_wait_s, "cap": order.max_prefill_tokens_with_decodes,
+            "token_bucket_gap": gap,
             "complete": s.complete, "prefix_cache": s.prefix_cache, "host_ms": s.host_ms,
             "wrong_lengths": sum(r.tokens != r.output_len for r in s.records if r.finished is not None),
             "step_intervals": engine.timeline.summary(), "ttft_by_length_quartile": by_quartile(s.records),
@@ -145,13 +180,14 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def rows_of(results: dict, unloaded: dict) -> list[dict]:
+def rows_of(results: dict, unloaded_by_gap: dict) -> list[dict]:
+    """One table row per policy; its TTFT over the unloaded TTFT under the same ladder."""
     rows, first = [], next(iter(results.values()), None)
     for name, r in results.items():
-        ttft, tpot = r["ttft_s"], r["tpot_s"]
+        ttft, tpot, unloaded = r["ttft_s"], r["tpot_s"], unloaded_by_gap[r["token_bucket_gap"]]
         steps = r["step_intervals"]
         rows.append({
-            "policy": name, "ttft_p50": ttft["p50"], "ttft_p99": ttft["p99"], "tpot_p50": tpot["p50"],
+            "policy": name, "gap": r["token_bucket_gap"], "ttft_p50": ttft["p50"], "ttft_p99": ttft["p99"], "tpot_p50": tpot["p50"],
             "tpot_p99": tpot["p99"], "tok_s": r["tokens_per_s"],
             "ttft_p50_over_unloaded_median": ratio(ttft["p50"], unloaded["median"]["ttft_s"]),
             "ttft_p99_over_unloaded_longest": ratio(ttft["p99"], unloaded["longest"]["ttft_s"]),
@@ -164,7 +200,7 @@ def rows_of(results: dict, unloaded: dict) -> list[dict]:
     return rows
 
 
-COLUMNS = ["policy", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "tok_s", "ttft_p50_over_unloaded_median",
+COLUMNS = ["policy", "gap", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "tok_s", "ttft_p50_over_unloaded_median",
            "ttft_p99_over_unloaded_longest", "tpot_p99_over_p50", "step_p99_ms", "late_waits", "hit_rate", "preempt", "done",
            "same_outputs"]
 
@@ -191,26 +227,31 @@ def main(argv=None):
     log.info("trace %s: %s", c.trace, stats)
     engine = build_engine(config, c)
     by_len = sorted(range(len(arrivals)), key=lambda i: arrivals[i].prompt_len)
-    unloaded = {"median": unloaded_ttft(engine, arrivals[by_len[(len(by_len) - 1) // 2]], c),
-                "longest": unloaded_ttft(engine, arrivals[by_len[-1]], c)}
-    log.info("unloaded TTFT: median-length prompt (%d tokens) %.4g s, longest (%d tokens) %.4g s",
-             unloaded["median"]["prompt_len"], unloaded["median"]["ttft_s"], unloaded["longest"]["prompt_len"],
-             unloaded["longest"]["ttft_s"])
+    gaps = list(dict.fromkeys(compiled_gap(engine) if p.gap is None else p.gap for p in policies))
+    unloaded_by_gap = {}
+    for gap in gaps:
+        unloaded_by_gap[gap] = u = {"median": unloaded_ttft(engine, arrivals[by_len[(len(by_len) - 1) // 2]], c, gap),
+                                    "longest": unloaded_ttft(engine, arrivals[by_len[-1]], c, gap)}
+        log.info("unloaded TTFT, gap %d: median-length prompt (%d tokens) %.4g s, longest (%d tokens) %.4g s", gap,
+                 u["median"]["prompt_len"], u["median"]["ttft_s"], u["longest"]["prompt_len"], u["longest"]["ttft_s"])
     results = {}
     default_late = engine.dispatch_timing.enabled  # --late-dispatch, for policies without LATE
-    for name, order, late in policies:
-        results[name] = r = run(engine, arrivals, name, order, default_late if late is None else late, c)
-        log.info("%s: TTFT p50 %.4g p99 %.4g s, TPOT p50 %.4g p99 %.4g s, %.4g tok/s, %d/%d done (%.1fs)", name,
+    for p in policies:
+        gap = compiled_gap(engine) if p.gap is None else p.gap
+        results[p.name] = r = run(engine, arrivals, p.name, p.order, default_late if p.late is None else p.late, gap, c)
+        log.info("%s: TTFT p50 %.4g p99 %.4g s, TPOT p50 %.4g p99 %.4g s, %.4g tok/s, %d/%d done (%.1fs)", p.name,
                  r["ttft_s"]["p50"] or 0, r["ttft_s"]["p99"] or 0, r["tpot_s"]["p50"] or 0, r["tpot_s"]["p99"] or 0,
                  r["tokens_per_s"], r["completed"], r["requests"], r["run_s"])
-    rows = rows_of(results, unloaded)
-    print(f"unloaded TTFT: median-length prompt {unloaded['median']['ttft_s']:.4g} s "
-          f"({unloaded['median']['prompt_len']} tokens), longest {unloaded['longest']['ttft_s']:.4g} s "
-          f"({unloaded['longest']['prompt_len']} tokens)")
+    rows = rows_of(results, unloaded_by_gap)
+    for gap, u in unloaded_by_gap.items():
+        print(f"unloaded TTFT, gap {gap}: median-length prompt {u['median']['ttft_s']:.4g} s "
+              f"({u['median']['prompt_len']} tokens), longest {u['longest']['ttft_s']:.4g} s "
+              f"({u['longest']['prompt_len']} tokens)")
     print(table(rows, COLUMNS))
+    unloaded = unloaded_by_gap[gaps[0]]
     return write_results("ttft_trace", {
         "bench": dataclasses.asdict(c), "engine": dataclasses.asdict(config), "trace": stats,
-        "unloaded": unloaded, "rows": rows,
+        "unloaded": unloaded, "unloaded_by_gap": unloaded_by_gap, "rows": rows,
         "runs": {k: {f: v for f, v in r.items() if f != "outputs"} for k, r in results.items()},
     })
 

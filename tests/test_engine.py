@@ -82,6 +82,19 @@ def test_staggered_arrivals_with_chunked_prefill_match_model_alone(engine, refer
         assert done[p].ttft is not None and done[p].tpot is not None
 
 
+def test_steps_padded_to_a_gap_bucket_match_model_alone(model, reference):
+    """--token-bucket-gap 8 adds a 24-token bucket between 16 and 32: the steps that use it (a prompt
+    arriving beside a few decodes) give the model alone's tokens."""
+    engine = make_engine(model, token_bucket_gap=8, max_pages=64)
+    assert [b.tokens for b in engine.executor.buckets(engine.executor.layout)] == [8, 16, 24, 32]
+    picked, pick = [], engine.executor.pick
+    engine.executor.pick = lambda t, r: picked.append(pick(t, r).tokens) or pick(t, r)
+    done = run_staggered(engine, PROMPTS, SamplingParams(max_tokens=12), arrivals=[0, 3, 6, 9, 12, 15])
+    for p in PROMPTS:
+        assert done[p].token_ids == reference[p], p
+    assert 24 in picked, picked
+
+
 def test_small_pool_preempts_and_still_matches(small_engine, reference):
     # 12 pages of 8 tokens cannot hold six requests of ~20-30 tokens at once.
     engine, before = small_engine, small_engine.scheduler.num_preemptions

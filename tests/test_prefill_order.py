@@ -121,7 +121,7 @@ def test_the_cap_fills_a_compiled_bucket_instead_of_spilling_into_the_next():
     from splash_jax.engine.config import EngineConfig
     from splash_jax.engine.prefill_order import ladder_sizes
 
-    sizes = ladder_sizes(EngineConfig(max_num_batched_tokens=8192, min_token_bucket=16))
+    sizes = ladder_sizes(EngineConfig(max_num_batched_tokens=8192, min_token_bucket=16), 0)
     assert sizes == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     order = PrefillOrder("fcfs", 1.0, 4096, sizes)
     assert order.prefill_budget(8192, 21) == 4096  # 4075 prefill tokens: the 4096 program, no padding

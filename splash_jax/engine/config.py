@@ -54,6 +54,11 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests at most (largest request bucket)
     max_num_batched_tokens: int = 512  # tokens per step at most (largest token bucket)
     min_token_bucket: int = 8  # smallest compiled step (token slots); buckets double up to max_num_batched_tokens
+    # Buckets past this many tokens grow by this many instead of doubling (0: powers of two throughout), so a
+    # step pads by less than this many tokens, for a few more compiled programs (step_programs.bucket_ladder).
+    # Default (None): 1024 on GPUs (one H100, Mooncake-shaped trace, 8192-token steps: TTFT p50 -8%, TPOT p50 -4%,
+    # docs/performance.md), 0 elsewhere (each bucket is more compile time; no accelerator measurement).
+    token_bucket_gap: int | None = None
     enable_chunked_prefill: bool = True  # long prompts prefill in chunks that share steps with decodes
     # Order of prefill work (engine/prefill_order.py): fcfs (running prefills in admission order, then
     # waiting requests in arrival order) | srpf (running and waiting together: preempted requests first,
@@ -207,6 +212,12 @@ class EngineConfig:
             return 8 if platform == "gpu" else 0
         return self.fused_sampler_max_tokens
 
+    def resolved_token_bucket_gap(self, platform: str) -> int:
+        """None (auto): 1024 tokens on GPUs, 0 (buckets double) elsewhere (see token_bucket_gap)."""
+        if self.token_bucket_gap is None:
+            return 1024 if platform == "gpu" else 0
+        return self.token_bucket_gap
+
     def resolved_step_input_memory(self, platform: str) -> str:
         """auto: pinned host memory on GPUs (see step_input_memory), device memory elsewhere."""
         if self.step_input_memory == "auto":
@@ -236,6 +247,8 @@ class EngineConfig:
             raise ValueError(f"--page-size must be a power of two, got {self.page_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs >= 1")
+        if self.token_bucket_gap is not None and self.token_bucket_gap < 0:
+            raise ValueError(f"--token-bucket-gap must be >= 0 (0: buckets double), got {self.token_bucket_gap}")
         from splash_jax.moe import MOE_IMPLS
 
         if self.moe_impl not in MOE_IMPLS:

@@ -74,7 +74,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
     step_prev_tokens = None  # the token vector the last step read (its draft program moves ahead chunks as it did)
 
     def __init__(
-        self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int], pages_per_request: int,
+        self, model, kv: KVCache, mesh, layout: Layout, ladder: tuple[int, int, int, int], pages_per_request: int,
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
         expanded_min_tokens: int = 0, graph_scheduling: str = "concurrent", unroll_max_tokens: int = 0,
         step_input_memory: str = "device", fused_max_tokens: int = 0, expanded_spans: int = expanded.DEFAULT_SPANS,
@@ -88,7 +88,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         self.mesh = mesh
         self.n = mesh.shape[AXIS]
         self.layout = layout
-        self.ladder = ladder  # (max tokens, max requests, min tokens) per step
+        self.ladder = ladder  # (max tokens, max requests, min tokens, gap) per step (step_programs.bucket_ladder)
         self.pages_per_request = pages_per_request
         self.impl = impl
         self.widths = widths
@@ -352,10 +352,10 @@ class StepExecutor(StepCompilation, SamplerPrograms):
     def buckets(self, layout: Layout) -> list[Bucket]:
         """Owner layouts size buckets per device (a step holds N segments), so they start smaller."""
         layout = self.program_layout(layout)
-        max_tokens, max_requests, min_tokens = self.ladder
+        max_tokens, max_requests, min_tokens, gap = self.ladder
         if layout.owner_rows:
             min_tokens = max(1, min_tokens // self.n)
-        return bucket_ladder(max_tokens, max_requests, min_tokens)
+        return bucket_ladder(max_tokens, max_requests, min_tokens, gap)
 
     def program_layouts(self, layouts: list[Layout] | None = None) -> list[Layout]:
         """The distinct layouts whose programs serve `layouts` (default: the current one)."""

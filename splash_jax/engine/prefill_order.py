@@ -53,11 +53,11 @@ class PrefillOrder:
             raise ValueError(f"--max-prefill-tokens-with-decodes must be >= 0, got {self.max_prefill_tokens_with_decodes}")
 
     @classmethod
-    def of(cls, config) -> PrefillOrder:
+    def of(cls, config, gap: int = 0) -> PrefillOrder:
         """From an EngineConfig's scheduling_policy, max_prefill_wait_s, max_prefill_tokens_with_decodes
-        and its step ladder."""
+        and its step ladder (gap: the resolved --token-bucket-gap)."""
         return cls(config.scheduling_policy, config.max_prefill_wait_s, config.max_prefill_tokens_with_decodes,
-                   ladder_sizes(config))
+                   ladder_sizes(config, gap))
 
     def key(self, request, now: float) -> tuple:
         """srpf's rank of a request (smaller first): (tier, then within the tier)."""
@@ -101,8 +101,9 @@ class PrefillOrder:
         return max((b for b in self.buckets if decode_tokens < b <= target), default=target)
 
 
-def ladder_sizes(config) -> tuple[int, ...]:
-    """The token sizes of the engine's step programs under the layout that pads least (tp's)."""
+def ladder_sizes(config, gap: int) -> tuple[int, ...]:
+    """The token sizes of the engine's step programs under the layout that pads least (tp's), with
+    `gap` the resolved --token-bucket-gap (EngineConfig.resolved_token_bucket_gap)."""
     from splash_jax.engine.step_programs import bucket_ladder
 
-    return tuple(b.tokens for b in bucket_ladder(config.max_num_batched_tokens, 1, config.min_token_bucket))
+    return tuple(b.tokens for b in bucket_ladder(config.max_num_batched_tokens, 1, config.min_token_bucket, gap))

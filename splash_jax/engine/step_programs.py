@@ -32,16 +32,20 @@ class Bucket:
     requests: int
 
 
-def bucket_ladder(max_tokens: int, max_requests: int, min_tokens: int = 8) -> list[Bucket]:
-    """Token buckets in powers of two up to max_tokens, each with min(tokens, max_requests) request rows.
+def bucket_ladder(max_tokens: int, max_requests: int, min_tokens: int = 8, gap: int = 0) -> list[Bucket]:
+    """Token buckets up to max_tokens, each with min(tokens, max_requests) request rows: powers of
+    two from min_tokens and, with a gap, multiples of `gap` tokens once a bucket reaches it.
 
     One request size per token size keeps the ladder short (log2 of the budget); the extra
-    request rows of a prefill-heavy step only cost their LM-head rows and sampling.
+    request rows of a prefill-heavy step only cost their LM-head rows and sampling. Doubling pads a
+    step up to 2x its tokens, which at the top of the ladder is whole prefill work thrown away (a
+    6.1K-token prompt runs in the 8K program); a gap bounds that padding by `gap` tokens for a few
+    more compiled programs (vLLM's TPU backend pads the same way above its padding gap).
     """
     sizes, t = [], min(min_tokens, max_tokens)
     while t < max_tokens:
         sizes.append(t)
-        t *= 2
+        t = (t // gap + 1) * gap if gap and 2 * t > gap else 2 * t
     sizes.append(max_tokens)
     return [Bucket(t, min(t, max_requests)) for t in sizes]
 
@@ -76,7 +80,8 @@ def step_executor_args(config, platform: str, n: int, pages_per_request: int, wi
     """StepExecutor's arguments besides model, pool, mesh and layout, from an EngineConfig: the one
     recipe the engine, its start-up probe (engine/pool_sizing.py) and AotBuild (aot.py) share."""
     return dict(
-        ladder=(config.max_num_batched_tokens, config.max_logits_rows, config.min_token_bucket),
+        ladder=(config.max_num_batched_tokens, config.max_logits_rows, config.min_token_bucket,
+                config.resolved_token_bucket_gap(platform)),
         pages_per_request=pages_per_request, impl=config.attention_impl, widths=widths, num_slots=config.max_num_seqs,
         extra_pages_total=extra_pages_total, move_pages=switch_chunk_pages if config.enable_switching and n > 1 else 0,
         expanded_min_tokens=config.resolved_expanded_min_tokens(platform), expanded_spans=config.expanded_prefill_spans,
