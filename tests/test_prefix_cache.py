@@ -307,6 +307,39 @@ def test_followers_of_a_page_aligned_prompt_start_in_their_leaders_step_without_
     assert a.num_referenced() == 0
 
 
+def test_followers_of_a_whole_prompt_take_no_token_budget():
+    """A step whose budget the leader's prompt fills still starts every follower of that prompt:
+    their last token reads the leader's slot (GRPO groups: a group per 8K step instead of
+    groups spilling into the next). The packed step has the leader's slots only, and each
+    follower's logits row is the leader's last slot."""
+    from splash_jax.engine.sampler import SamplerWidths
+    from splash_jax.engine.step_packer import SlotSampling, StepShape, pack_step
+
+    a = PageAllocator(1, 40, S)
+    sched = Scheduler(a, 8, 4 * S, REPLICATED, 64, 16, enable_prefix_caching=True)
+    prompt = list(range(2, 2 + 4 * S))
+    for i in range(3):
+        sched.add(req(f"g{i}", prompt, 3))
+    sched.add(req("other", list(range(100, 110)), 3))  # no budget left for it
+    out = sched.schedule()
+    assert [(c.request.request_id, c.start, c.num_tokens, c.num_slots) for c in out.chunks] == [
+        ("g0", 0, 4 * S, 4 * S), ("g1", 4 * S - 1, 1, 0), ("g2", 4 * S - 1, 1, 0)]
+    widths = SamplerWidths(1, 1)
+    shape = StepShape(4 * S, 4, 1, 1, 16, False, widths)
+    packed = pack_step(shape, out.chunks, sched.tables, SlotSampling(8, widths, ()), S)
+    fields = shape.replicated_spec().unpack(packed.rep)
+    assert (fields["token_slot"] >= 0).sum() == 4 * S  # the leader's tokens only
+    assert fields["logits_index"][:3].tolist() == [4 * S - 1] * 3
+    sched.dispatched(out.chunks)
+    sched.update(out.chunks, [0, 1, 2], np.array([5, 6, 7]))
+    nxt = sched.schedule()
+    assert [c.request.request_id for c in nxt.chunks] == ["g0", "g1", "g2", "other"]  # decoding; its turn now
+    sched.dispatched(nxt.chunks)
+    sched.update(nxt.chunks, [0, 1, 2, 3], np.array([5, 6, 7, 8]))
+    run_until_idle(sched)
+    assert a.num_referenced() == 0
+
+
 def test_owner_layouts_place_a_request_on_the_device_holding_its_prefix():
     a = PageAllocator(2, 20, S)
     sched = Scheduler(a, 8, 16, OWNER, 64, 16, enable_prefix_caching=True, balance_pages=4)

@@ -11,8 +11,10 @@ each waiting request it considers:
     pages (`in_flight_pages`, `_follow`): within a step every layer writes all tokens' latents
     before any token attends (attention/layouts.py), so it reads what the leader writes in the
     same step. GRPO groups and n > 1 then get their first tokens in the leader's step, not one
-    step later. A follower whose whole prompt the leader's pages hold computes its last token
-    again for its own logits but does not write it (`ScheduledChunk.writes`): the leader does;
+    step later. A follower whose whole prompt the leader's pages hold takes no token slot and
+    none of the step's token budget: its logits row reads the leader's slot at its last position
+    (`ScheduledChunk.num_slots`), so a step full of leaders' prompts still starts all their
+    followers;
   - under owner layouts the owner is chosen by `choose_owner` (a follower takes its leader's).
 """
 
@@ -41,6 +43,11 @@ def in_flight_pages(chain: list, hit: int, page_size: int) -> int:
     while m < len(chain) and chain[m].computing is leader and leader.num_computed >= (m + 1) * page_size:
         m += 1
     return m if m > hit else 0
+
+
+def leader_chunk(chunks: list, leader: Request, position: int) -> int | None:
+    """The index of `leader`'s chunk among a step's chunks that computes `position` (None: none does)."""
+    return next((i for i, c in enumerate(chunks) if c.request is leader and c.start <= position < c.end), None)
 
 
 def cap_to_rows(request: Request, start: int, n: int, rows_left: int) -> int:
@@ -72,6 +79,8 @@ class Admission:
                 return self._follow(request, chain, shared, budget, rows)
         else:
             request.owner = self.least_loaded_device()
+        if budget <= 0:  # (only followers of whole prompts start without token budget)
+            return None
         computed, shared = cached_start(hit, request.num_tokens, size)
         remaining = request.num_tokens - computed
         n = cap_to_rows(request, computed, min(remaining, budget), rows)
@@ -102,12 +111,15 @@ class Admission:
     def _follow(self, request: Request, chain: list, shared: int, budget: int, rows: int) -> int | None:
         """Admit `request` onto the first `shared` pages of the running request computing them
         (in_flight_pages): it references those pages (the leader's, not cached yet) and computes
-        from where they end; a prompt they hold whole computes its last token without writing it."""
+        from where they end; a prompt they hold whole takes its last token's logits from the
+        leader's slot (no token slot, no budget: ScheduledChunk.num_slots)."""
         leader, size, n = chain[shared - 1].computing, self.page_size, request.num_tokens
         whole = shared * size == n
+        if whole and leader_chunk(self.step_chunks, leader, n - 1) is None:
+            return 0  # the leader computed it in an earlier step: the cache holds it by the next
         computed = n - 1 if whole else shared * size
-        count = cap_to_rows(request, computed, min(n - computed, budget), rows)
-        if not self.enable_chunked_prefill and count < n - computed:
+        count = 1 if whole else cap_to_rows(request, computed, min(n - computed, budget), rows)
+        if count <= 0 or not self.enable_chunked_prefill and count < n - computed:
             return None
         request.owner, request.slot = leader.owner, self._free_slots.pop()
         held = self.placement.pages_needed(self.n, leader.owner, [[]] * self.n, shared * size, size)

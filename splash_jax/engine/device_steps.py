@@ -48,10 +48,10 @@ class DeviceSteps:
         if self.layout.owner_rows:
             tokens, requests = [0] * self.n, [0] * self.n
             for c in chunks:
-                tokens[c.request.owner] += c.num_tokens
+                tokens[c.request.owner] += c.num_slots
                 requests[c.request.owner] += 1
             return self.executor.pick(max(tokens), max(max(requests), -(-rows // self.n)))
-        return self.executor.pick(sum(c.num_tokens for c in chunks), max(len(chunks), rows))
+        return self.executor.pick(sum(c.num_slots for c in chunks), max(len(chunks), rows))
 
     def _pack(self, chunks: list[ScheduledChunk], expand: bool = True):
         """-> (bucket, expanded, packed). expand=False: never the expanded-prefill program."""
@@ -221,18 +221,19 @@ class DeviceSteps:
     def _isolate(self, chunks: list[ScheduledChunk], error: Exception) -> list[ScheduledChunk]:
         """Packing failed: pack each request alone, fail those that still fail, keep the rest."""
         log.warning("packing a step failed (%s: %s); isolating the requests that cause it", type(error).__name__, error)
-        good = []
-        for c in chunks:
+        good, kept = [], {}  # kept: leader request id -> its chunk that packs
+        for c in chunks:  # a follower's last token packs with its leader's chunk (it reads its slot)
+            if c.leader is not None and id(c.leader) not in kept:  # its leader failed: compute it again
+                c.request.num_pending -= c.samples  # the token this chunk would have sampled
+                self.scheduler.preempt(c.request)
+                continue
             try:
-                self._pack([c])
+                self._pack([c] if c.leader is None else [kept[id(c.leader)], c])
                 good.append(c)
+                if c.leader is None:
+                    kept[id(c.request)] = c
             except Exception as e:  # noqa: BLE001
                 self._fail(c.request, f"the request could not be run: {type(e).__name__}: {e}")
-        kept = {id(c.request) for c in good}
-        for c in [c for c in good if c.leader is not None and id(c.leader) not in kept]:
-            good.remove(c)  # it reads the latent its failed leader would have written: compute it again
-            c.request.num_pending -= c.samples  # the token this chunk would have sampled
-            self.scheduler.preempt(c.request)
         return good
 
     def _recover(self, error: Exception, chunks: list[ScheduledChunk]) -> None:

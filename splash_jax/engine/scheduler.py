@@ -67,8 +67,9 @@ class ScheduledChunk:
     samples: bool  # reaches the end of the sequence: a token is sampled
     lp_start: int = -1  # prompt logprobs: positions lp_start.. each get a logits row (-1: only the last)
     drafts: tuple[int, ...] = ()  # speculative drafts after its last known token (a logits row each, plus one)
-    # A follower's last prompt token, computed again for its logits: the leader (computing it in
-    # the same step, engine/admission.py) writes its latent, so this chunk writes none.
+    # A follower's last prompt token: the leader computes that position in the same step
+    # (engine/admission.py) and writes its latent; this chunk takes no token slot and its logits
+    # row reads the leader's slot there (the same tokens on the same pages: the same logits).
     leader: Request | None = None
     # An ahead chunk (overlapped speculation): scheduled behind a verify chunk of shift_k drafts
     # whose step is still on the device, as if it kept none; variants[a] are its drafts if it
@@ -81,6 +82,12 @@ class ScheduledChunk:
     @property
     def writes(self) -> bool:
         return self.leader is None
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots it takes in its step (and of the step's token budget): none for a
+        follower's last prompt token (`leader`), num_tokens otherwise."""
+        return 0 if self.leader is not None else self.num_tokens
 
     @property
     def end(self) -> int:
@@ -171,6 +178,7 @@ class Scheduler(Admission, SpeculativeScheduling):
         self.cache_stats = CacheStats()
         self.cache: PrefixCache | None = PrefixCache(allocator, self.cache_stats) if enable_prefix_caching else None
         self.page_copies: list[tuple[int, int]] = []  # copy-on-write copies for the next step (take_page_copies)
+        self.step_chunks: list[ScheduledChunk] = []  # the chunks of the step being scheduled
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn the prefix cache on or off (off forgets every cached page)."""
@@ -212,6 +220,7 @@ class Scheduler(Admission, SpeculativeScheduling):
         request asking for prompt logprobs takes a row per prompt position it computes)."""
         budget, rows = self.max_num_batched_tokens, self.max_logits_rows
         chunks: list[ScheduledChunk] = []
+        self.step_chunks = chunks  # this step's so far (admission: a follower's leader chunk)
         preempted: list[Request] = []
         scheduled: set[int] = set()
         todo = [r for r in self.running if r.num_tokens > r.num_computed]
@@ -276,7 +285,7 @@ class Scheduler(Admission, SpeculativeScheduling):
     def _admit_waiting(self, limit, budget: int, rows: int, chunks: list, scheduled: set, deferred: list):
         """Admit up to `limit` requests from the waiting queue's front while the budget, rows and
         slots allow -> (budget, rows left, False once one did not fit: admission stops, in order)."""
-        while limit > 0 and self.waiting and budget > 0 and rows > 0 and self._free_slots:
+        while limit > 0 and self.waiting and rows > 0 and self._free_slots:  # (budget 0: followers only)
             limit -= 1
             request = self.waiting.popleft()
             if request.awaits_verify:  # preempted behind a verify chunk: its tokens so far are not known yet
@@ -291,7 +300,7 @@ class Scheduler(Admission, SpeculativeScheduling):
                 continue
             chunks.append(self._take(request, admitted))
             scheduled.add(id(request))
-            budget -= admitted
+            budget -= chunks[-1].num_slots
             rows -= chunks[-1].num_rows
         return budget, rows, True
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from splash_jax.attention.expanded import DEFAULT_SPANS, span_capacities, worth_expanding
+from splash_jax.engine.admission import leader_chunk
 from splash_jax.engine.sampler import SamplerWidths, SamplingInputs
 from splash_jax.kv.cache import StepInput
 from splash_jax.kv.page_table import PageTables
@@ -131,7 +132,9 @@ def next_tokens(chunks: Sequence, base: np.ndarray, last_row: np.ndarray, t_tota
     m_tokens = np.zeros(t_total, np.int32)
     m_src = np.full(t_total, -1, np.int32)
     for i, c in enumerate(chunks):
-        req, b, length = c.request, int(base[i]), c.num_tokens
+        req, b, length = c.request, int(base[i]), c.num_slots
+        if not length:
+            continue
         kc = len(c.drafts)
         if kc:  # a verify chunk: every row's next token is the token sampled there
             row0 = int(last_row[i]) - kc
@@ -311,7 +314,7 @@ def pack_step(
     """
     n, tq, rq, g = shape.devices, shape.tokens, shape.requests, shape.segments
     num = len(chunks)
-    lengths = np.fromiter((c.num_tokens for c in chunks), np.int64, num)
+    lengths = np.fromiter((c.num_slots for c in chunks), np.int64, num)  # a follower's last token: none
     starts = np.fromiter((c.start for c in chunks), np.int64, num)
     owners = np.fromiter((c.request.owner for c in chunks), np.int64, num)
     slots = np.fromiter((c.request.slot for c in chunks), np.int64, num)
@@ -352,6 +355,8 @@ def pack_step(
         values, sources = [], []
         for c in chunks:
             req = c.request
+            if not c.num_slots:
+                continue
             known = min(c.end, req.num_known)
             if c.drafts or c.shift_k:  # a verify chunk: its last token (known, or sampled by the step before), then the drafts
                 fed = c.start >= req.num_known
@@ -362,8 +367,9 @@ def pack_step(
             pad = c.end - max(known, c.start)  # positions whose token is still on the device
             values.append(vals + [0] * pad)
             sources.append([-1] * len(vals) + [req.pending_row] * pad)
-        tokens[gslot] = np.concatenate(values)
-        src_row[gslot] = np.concatenate(sources)
+        if values:
+            tokens[gslot] = np.concatenate(values)
+            src_row[gslot] = np.concatenate(sources)
     positions = np.zeros(t_total, np.int32)
     positions[gslot] = pos
     token_slot = np.full(t_total, -1, np.int32)
@@ -390,6 +396,12 @@ def pack_step(
         logits_index[: len(gslot)] = gslot
     else:
         logits_index[row] = base + lengths - 1
+        for i, c in enumerate(chunks):  # a follower's last token: its leader's slot at that position
+            if c.leader is not None:
+                j = leader_chunk(chunks, c.leader, c.start)
+                if j is None:
+                    raise ValueError(f"request {c.request.request_id}: its leader computes none of its prompt in this step")
+                logits_index[row[i]] = base[j] + c.start - chunks[j].start
         if verify:
             logits_index[vrows] = base[of] + at
         lp_start = np.fromiter((c.lp_start for c in chunks), np.int64, num)
