@@ -16,7 +16,7 @@ program) and no hidden state crosses to the host.
 Overlapped scheduling: the next step is scheduled and dispatched before this step's tokens and
 drafts reach the host. A request that samples in this step gets, in the next, a verify chunk
 whose drafts are codes naming its chain row here (MtpDrafter.propose_after,
-step_packer.device_draft_code); the next step program reads them from prev_tokens. If this
+speculative_inputs.device_draft_code); the next step program reads them from prev_tokens. If this
 step's chunk verifies drafts, the next chunk is an ahead chunk (engine/spec_scheduling.py): it
 moves on the device by the drafts this step keeps, b, and the draft program after it chains from
 s + b + a. The host replaces the codes by the drafts when this step's tokens are applied
@@ -82,7 +82,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from splash_jax.attention.layouts import ShardedContext
-from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, next_tokens, row_shifts, split_step_buffer, unpack_step
+from splash_jax.engine.speculative_inputs import row_shifts
+from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, next_tokens, split_step_buffer, unpack_step
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
 from splash_jax.mtp import greedy_tokens, lm_head, mtp_latents, mtp_layer_output
@@ -204,7 +205,7 @@ class MtpDraftRunner:
     """The draft programs of one engine and the drafts in flight. Each draft program writes its
     drafts into the step's token vector, which becomes the executor's prev_tokens: the next step,
     scheduled before they reach the host (overlapped scheduling), reads them there
-    (step_packer.device_drafts). Device state stays the executor's: the pool is replaced through
+    (speculative_inputs.device_drafts). Device state stays the executor's: the pool is replaced through
     StepExecutor.apply_to_pool."""
 
     def __init__(self, executor, k: int, page_size: int, dtype):
@@ -255,7 +256,7 @@ class MtpDraftRunner:
             match = (sampled[idx] == sampling.draft[idx]) & (i[None] < m["c_k"][:, None])
             a = jnp.cumprod(match.astype(jnp.int32), axis=1).sum(axis=1)  # [C]
             at = batch.logits_index[jnp.clip(m["c_row0"] + a, 0, rows - 1)]  # token slot of position s + a
-            # an ahead chunk's shift b (its positions moved on the device: step_packer.shift_ahead)
+            # an ahead chunk's shift b (its positions moved on the device: speculative_inputs.shift_ahead)
             b = row_shifts(shape.replicated_spec().unpack(rep), prev)[jnp.clip(m["c_row0"], 0, rows - 1)] \
                 if shape.variants else jnp.zeros_like(a)
             # 2. the MTP pass over every token slot (its latents; absorbed attention even for an

@@ -73,7 +73,7 @@ class ScheduledChunk:
     leader: Request | None = None
     # An ahead chunk (overlapped speculation): scheduled behind a verify chunk of shift_k drafts
     # whose step is still on the device, as if it kept none; variants[a] are its drafts if it
-    # keeps a. The device moves it a positions on (step_packer.shift_ahead); the host does the
+    # keeps a. The device moves it a positions on (speculative_inputs.shift_ahead); the host does the
     # same when that chunk is applied (start += a, drafts = variants[a]).
     shift_k: int = 0
     variants: tuple[tuple[int, ...], ...] = ()

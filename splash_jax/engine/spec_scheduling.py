@@ -13,10 +13,10 @@ sampled one token gets drafts after that token (drafter.propose_after(request, k
 whose last step verifies drafts gets an *ahead chunk*: scheduled as if that verify chunk kept
 none of its K drafts, with a variant of its own drafts for each count a it may keep
 (speculative.propose_ahead) and pages for the longest case. The step program moves it by the a
-the previous step returned (step_packer.shift_ahead); the host does the same when the verify
+the previous step returned (speculative_inputs.shift_ahead); the host does the same when the verify
 chunk's tokens are applied (`_verified`). One chunk goes ahead of each verify chunk at most.
 MTP drafts behind a step in flight are still on the device: MtpDrafter.propose_after returns codes
-the step program reads there (step_packer.device_draft_code), the same for every variant.
+the step program reads there (speculative_inputs.device_draft_code), the same for every variant.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import weakref
 import numpy as np
 
 from splash_jax.engine.request import Request
-from splash_jax.engine.step_packer import DEVICE_DRAFT, device_draft_code
+from splash_jax.engine.speculative_inputs import DEVICE_DRAFT, device_draft_code
 from splash_jax.structured.reasoning_gate import needs_masks
 
 METHODS = ("off", "ngram", "mtp")  # the CLI's; the library also takes "custom" with a drafter object
@@ -189,7 +189,7 @@ class MtpDrafter:
         """Drafts after a token still on the device (overlapped scheduling): the draft program of
         the step in flight computes them from wherever that step's verify chunk ends, so one set
         serves every count `after` it may keep. They are not on the host yet: each is a code the
-        next step program reads from the device (step_packer.device_draft_code), replaced by its
+        next step program reads from the device (speculative_inputs.device_draft_code), replaced by its
         value when that step's drafts are read back (record)."""
         row = self.runner.chain_row(request) if self.runner is not None else None
         if k <= 0 or row is None:
