@@ -46,7 +46,6 @@ import dataclasses
 import logging
 import time
 
-import jax
 import numpy as np
 
 from benchmarks import workloads as W
@@ -103,20 +102,8 @@ def parse_policies(spec: str, default_wait: float, time_scale: float) -> list[Po
 
 
 def compiled_gap(engine: Engine) -> int:
-    """The --token-bucket-gap the engine compiled its ladder with (ex.ladder holds the last run's)."""
-    return engine.config.resolved_token_bucket_gap(jax.default_backend())
-
-
-def use_ladder(engine: Engine, gap: int) -> None:
-    """Steps pick their buckets from the ladder of `gap` from now on (the engine is idle): a subset
-    of the compiled one, so nothing compiles."""
-    ex = engine.executor
-    compiled = set(ladder_sizes(engine.config, compiled_gap(engine)))
-    wanted = ladder_sizes(engine.config, gap)
-    if not set(wanted) <= compiled:
-        raise SystemExit(f"GAP {gap} needs buckets {sorted(set(wanted) - compiled)} that --token-bucket-gap "
-                         f"{compiled_gap(engine)} does not compile")
-    ex.ladder = (*ex.ladder[:3], gap)
+    """The --token-bucket-gap the engine compiled its ladder with."""
+    return engine.executor.compiled_ladder[3]
 
 
 def build_engine(config: EngineConfig, c: TraceBenchConfig) -> Engine:
@@ -126,7 +113,10 @@ def build_engine(config: EngineConfig, c: TraceBenchConfig) -> Engine:
 def use(engine: Engine, order: PrefillOrder, gap: int) -> None:
     """Serve with `order` and the ladder of `gap` from now on (the engine is idle), the cap snapped
     to that ladder's buckets."""
-    use_ladder(engine, gap)
+    try:
+        engine.executor.use_bucket_gap(gap)
+    except ValueError as e:
+        raise SystemExit(f"--policies GAP: {e}") from None
     engine.scheduler.prefill_order = dataclasses.replace(order, buckets=ladder_sizes(engine.config, gap))
     engine.config.scheduling_policy, engine.config.max_prefill_wait_s = order.policy, order.max_wait_s
     engine.config.max_prefill_tokens_with_decodes = order.max_prefill_tokens_with_decodes

@@ -93,6 +93,11 @@ def test_steps_padded_to_a_gap_bucket_match_model_alone(model, reference):
     for p in PROMPTS:
         assert done[p].token_ids == reference[p], p
     assert 24 in picked, picked
+    # the doubling ladder is a subset of the compiled one (benchmarks/ttft_trace.py serves both)
+    engine.executor.use_bucket_gap(0)
+    assert [b.tokens for b in engine.executor.buckets(engine.executor.layout)] == [8, 16, 32]
+    with pytest.raises(ValueError, match="12"):
+        engine.executor.use_bucket_gap(4)  # 12, 20, 28 were never compiled
 
 
 def test_small_pool_preempts_and_still_matches(small_engine, reference):

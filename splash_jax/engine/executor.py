@@ -89,6 +89,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         self.n = mesh.shape[AXIS]
         self.layout = layout
         self.ladder = ladder  # (max tokens, max requests, min tokens, gap) per step (step_programs.bucket_ladder)
+        self.compiled_ladder = ladder  # the one the programs are compiled for (use_bucket_gap may narrow `ladder`)
         self.pages_per_request = pages_per_request
         self.impl = impl
         self.widths = widths
@@ -356,6 +357,18 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         if layout.owner_rows:
             min_tokens = max(1, min_tokens // self.n)
         return bucket_ladder(max_tokens, max_requests, min_tokens, gap)
+
+    def use_bucket_gap(self, gap: int) -> None:
+        """Steps pick their buckets from the ladder of another --token-bucket-gap from now on (a
+        benchmark compares ladders on one engine): only a subset of the compiled ladder (doubling
+        under a power-of-two gap is one), so nothing compiles."""
+        max_tokens, max_requests, min_tokens, compiled = self.compiled_ladder
+        have = {b.tokens for b in bucket_ladder(max_tokens, max_requests, min_tokens, compiled)}
+        want = {b.tokens for b in bucket_ladder(max_tokens, max_requests, min_tokens, gap)}
+        if not want <= have:
+            raise ValueError(f"a bucket gap of {gap} needs buckets {sorted(want - have)} that the compiled ladder "
+                             f"(gap {compiled}) lacks")
+        self.ladder = (max_tokens, max_requests, min_tokens, gap)
 
     def program_layouts(self, layouts: list[Layout] | None = None) -> list[Layout]:
         """The distinct layouts whose programs serve `layouts` (default: the current one)."""
