@@ -66,6 +66,8 @@ class Admission:
         Some compute their whole prompt (Request.computes_whole_prompt). A cached page that holds
         its last token is copied on write (`cached_start`)."""
         cache, size = self.cache, self.page_size
+        if budget <= 0 and (cache is None or request.computes_whole_prompt or request.num_tokens % size):
+            return None  # without budget only a follower of a whole (page-aligned) prompt may start
         chain, hit = [], 0
         if cache is not None and not request.computes_whole_prompt:
             chain = cache.chain(request, request.num_tokens // size)
@@ -79,7 +81,7 @@ class Admission:
                 return self._follow(request, chain, shared, budget, rows)
         else:
             request.owner = self.least_loaded_device()
-        if budget <= 0:  # (only followers of whole prompts start without token budget)
+        if budget <= 0:  # not a follower after all
             return None
         computed, shared = cached_start(hit, request.num_tokens, size)
         remaining = request.num_tokens - computed

@@ -287,11 +287,13 @@ def pack_step(
 
     tokens = np.zeros(t_total, np.int32)
     src_row = np.full(t_total, -1, np.int32)
+    followers = []  # chunks of a follower's last token: no slot, their leader's (ScheduledChunk.num_slots)
     if num:
         values, sources = [], []
-        for c in chunks:
+        for i, c in enumerate(chunks):
             req = c.request
-            if not c.num_slots:
+            if not lengths[i]:
+                followers.append(i)
                 continue
             known = min(c.end, req.num_known)
             if c.drafts or c.shift_k:  # a verify chunk: its last token (known, or sampled by the step before), then the drafts
@@ -332,12 +334,12 @@ def pack_step(
         logits_index[: len(gslot)] = gslot
     else:
         logits_index[row] = base + lengths - 1
-        for i, c in enumerate(chunks):  # a follower's last token: its leader's slot at that position
-            if c.leader is not None:
-                j = leader_chunk(chunks, c.leader, c.start)
-                if j is None:
-                    raise ValueError(f"request {c.request.request_id}: its leader computes none of its prompt in this step")
-                logits_index[row[i]] = base[j] + c.start - chunks[j].start
+        for i in followers:  # a follower's last token: its leader's slot at that position
+            c = chunks[i]
+            j = leader_chunk(chunks, c.leader, c.start)
+            if j is None:
+                raise ValueError(f"request {c.request.request_id}: its leader computes none of its prompt in this step")
+            logits_index[row[i]] = base[j] + c.start - chunks[j].start
         if verify:
             logits_index[vrows] = base[of] + at
         lp_start = np.fromiter((c.lp_start for c in chunks), np.int64, num)
