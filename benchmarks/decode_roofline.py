@@ -138,10 +138,12 @@ def main(argv=None):
             engine.set_overlap(overlap)
             for _ in range(3):
                 engine.step()
-            t = time.perf_counter()
+            t, cpu, phases = time.perf_counter(), time.thread_time(), []
             for _ in range(args.steps):
                 engine.step()
+                phases.append(dict(engine.last_step_ms))
             engine_s = (time.perf_counter() - t) / args.steps
+            host_cpu_ms = (time.thread_time() - cpu) / args.steps * 1e3
             prof = device_busy(engine.step, args.steps, sync=lambda: (engine.flush(), jax.block_until_ready(engine.executor.kv)),
                                 top=args.top_kernels)
             ideal_w, dense_w = weight_bytes(engine.model, b)
@@ -151,6 +153,9 @@ def main(argv=None):
                 "batch": b, "context": ctx, "sampling": mode, "overlap": overlap, "first_step_s": first_step_s,
                 "engine_ms": engine_s * 1e3, "gpu_busy_ms": busy, "profiled_step_ms": prof.window_ms,
                 "x_busy": engine_s * 1e3 / busy if busy else None,
+                # the engine thread's CPU time per step (any spinning while it waits on the device counts)
+                "host_cpu_ms": host_cpu_ms, "cpu_over_busy": host_cpu_ms / busy if busy else None,
+                "phase_ms_p50": {k: float(np.median([p.get(k, 0.0) for p in phases])) for k in phases[0]},
                 "host_share": 1 - busy / (engine_s * 1e3) if busy else None,
                 "kernels_per_step": prof.kernels, "tokens_per_s": b / engine_s,
                 "roofline_ms": (ideal_w + kv_bytes) / bw * 1e3,
@@ -166,7 +171,7 @@ def main(argv=None):
         engine.set_overlap(True)
         clear(engine, reqs)
         engine.flush()
-    cols = ["batch", "context", "sampling", "overlap", "first_step_s", "engine_ms", "gpu_busy_ms", "x_busy", "host_share", "kernels_per_step",
+    cols = ["batch", "context", "sampling", "overlap", "first_step_s", "engine_ms", "gpu_busy_ms", "x_busy", "host_cpu_ms", "cpu_over_busy", "host_share", "kernels_per_step",
             "tokens_per_s", "roofline_ms", "x_roofline"]
     print(table(rows, cols))
     write_results("decode_roofline", {

@@ -55,3 +55,16 @@ def test_step_input_memory_is_checked_and_auto_picks_pinned_host_on_gpus():
     assert EngineConfig(step_input_memory="device").resolved_step_input_memory("gpu") == "device"
     with pytest.raises(ValueError, match="step-input-memory"):
         EngineConfig(step_input_memory="host").validate()
+
+
+def test_an_unplaced_step_input_is_the_host_buffer_the_program_places_itself():
+    # StepExecutor.run hands the program the host buffer (its call places it by its input
+    # sharding); only an MTP engine, whose draft program reads the step's input again, puts it first
+    engine = Engine(EngineConfig(layout="dp", num_devices=2, **KW))
+    ex = engine.executor
+    shape = ex.shape(engine.layout, ex.buckets(engine.layout)[0])
+    packed = pack_step(shape, [], engine.scheduler.tables, engine.slot_sampling, engine.config.page_size)
+    host = ex.step_input(packed.rep, packed.dev, place=False)
+    assert isinstance(host, np.ndarray)
+    np.testing.assert_array_equal(host, step_buffer(packed.rep, packed.dev))
+    np.testing.assert_array_equal(np.asarray(ex.step_input(packed.rep, packed.dev)), host)

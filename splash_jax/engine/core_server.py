@@ -58,7 +58,17 @@ class CoreServer:
     def run(self) -> None:
         log.info("engine core loop started (pid %d)", os.getpid())
         with count_compiles() as self.compiles:  # stats()["compiles_after_ready"]: 0 unless something compiles late
-            self._loop()
+            path = os.environ.get("SPLASH_CORE_PROFILE")
+            if not path:
+                self._loop()
+                return
+            import cProfile  # the loop under cProfile, its stats written when it stops
+
+            prof = cProfile.Profile()
+            try:
+                prof.runcall(self._loop)
+            finally:
+                prof.dump_stats(path)
 
     def _loop(self) -> None:
         try:

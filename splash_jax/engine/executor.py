@@ -312,13 +312,18 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         """Inside a program (outside its shard_map): the packed input in device memory."""
         return jax.device_put(buf, self.per_device) if self.input_sharding(full).memory_kind == "pinned_host" else buf
 
-    def step_input(self, rep: np.ndarray, dev: np.ndarray | None, full: bool = False) -> jax.Array:
+    def step_input(self, rep: np.ndarray, dev: np.ndarray | None, full: bool = False,
+                   place: bool = True) -> jax.Array | np.ndarray:
         """A step's packed buffers as its program's input, put where input_sharding says. A
         jax.Array is taken as that input already (a multi-process global array,
-        distributed/leader.global_step_inputs; dev is None then)."""
+        distributed/leader.global_step_inputs; dev is None then). place=False: the host buffer
+        itself, which the program's call places by its input sharding in C++ (jax.device_put's
+        Python path cost the engine loop 0.1-0.3 ms per step); only where nothing else reads the
+        input as a device array afterwards (the MTP draft program does: step_inputs)."""
         if isinstance(rep, jax.Array):
             return rep
-        return jax.device_put(step_buffer(rep, dev), self.input_sharding(full))
+        buf = step_buffer(rep, dev)
+        return jax.device_put(buf, self.input_sharding(full)) if place else buf
 
     def draft_step_input(self) -> jax.Array:
         """The last step's packed input where a draft program (mtp_draft, one per bucket whether
@@ -399,7 +404,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         apart = self.returns_logits(bucket, full, move is not None, expanded, defer)
         fused = full and not apart
         program = self.compiled(self.layout, bucket, move is not None, full, expanded, mode if fused else None)
-        inputs = [self.step_input(rep, dev, apart)]
+        inputs = [self.step_input(rep, dev, apart, place=self.mtp_hidden)]
         if fused:
             inputs.append(self.open_mask(self.shape(self.layout, bucket, expanded).rows))
         if move is not None:
