@@ -92,6 +92,11 @@ class EngineConfig:
     # planned requests begin while the rest are planned): bounds the host time of any boundary.
     switch_plan_pages: int = 1024
     overlap_scheduling: bool = True  # dispatch step k+1 before step k's tokens reach the host
+    # A step in flight that samples some request's first token, with at most this many requests, is
+    # read back before the next step is scheduled (EngineCore._reads_first_tokens_now): the first
+    # token skips one host dispatch of the next step, and the running requests wait that dispatch
+    # once. 0: always overlapped.
+    first_token_wait_max_requests: int = 8
     # While a long prefill step runs (engine/dispatch_timing.py), the next step is scheduled only
     # shortly before it is predicted to end, so requests arriving meanwhile join it instead of waiting
     # for it too (auto: on accelerators; off on CPU, where the "device" shares the host's cores). Off by
@@ -247,6 +252,8 @@ class EngineConfig:
             raise ValueError(f"--page-size must be a power of two, got {self.page_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs >= 1")
+        if self.first_token_wait_max_requests < 0:
+            raise ValueError(f"--first-token-wait-max-requests must be >= 0 (0: off), got {self.first_token_wait_max_requests}")
         if self.token_bucket_gap is not None and self.token_bucket_gap < 0:
             raise ValueError(f"--token-bucket-gap must be >= 0 (0: buckets double), got {self.token_bucket_gap}")
         from splash_jax.moe import MOE_IMPLS

@@ -308,6 +308,8 @@ class EngineCore(DeviceSteps, SpeculationControl):
         """Schedule and dispatch one step; return the outputs of the step that completed."""
         cpu0, t0 = time.thread_time(), time.perf_counter()
         outputs = []
+        if self.overlapped and self._reads_first_tokens_now():  # return its tokens before the next dispatch
+            return self._complete_first_tokens(cpu0, t0)
         if self.switcher is not None:
             self.switcher.before_step()  # drop finished requests' reservations; cancel
         t1 = time.perf_counter()
@@ -342,13 +344,43 @@ class EngineCore(DeviceSteps, SpeculationControl):
         if done is not None and done is dispatched:
             outputs += self._complete(done, back_to_back)
         t4 = time.perf_counter()
-        self.last_step_ms = {"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
-                             "handoff": (t3h - t3) * 1e3, "wait": self._last_wait_s * 1e3,
-                             "complete": (t4 - t3h - self._last_wait_s) * 1e3}
-        for phase, ms in self.last_step_ms.items():
+        self._account({"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
+                       "handoff": (t3h - t3) * 1e3, "wait": self._last_wait_s * 1e3,
+                       "complete": (t4 - t3h - self._last_wait_s) * 1e3}, cpu0)
+        return outputs + self._failed_now()
+
+    def _complete_first_tokens(self, cpu0: float, t0: float) -> list[CoreOutput]:
+        """A step() that only reads back the step in flight (_reads_first_tokens_now); the next
+        step() schedules and dispatches with nothing in flight."""
+        done, self._inflight = self._inflight, None
+        self._last_wait_s = 0.0
+        outputs = self._complete(done, self._completed_last_call)
+        self._completed_last_call = False  # the next completion's interval holds a dispatch: not back to back
+        t = time.perf_counter()
+        self._account({"switch": 0.0, "schedule": 0.0, "dispatch": 0.0, "handoff": 0.0, "wait": self._last_wait_s * 1e3,
+                       "complete": (t - t0 - self._last_wait_s) * 1e3}, cpu0)
+        return outputs + self._failed_now()
+
+    def _account(self, phases: dict[str, float], cpu0: float) -> None:
+        self.last_step_ms = phases
+        for phase, ms in phases.items():
             self.host_phase_ms[phase] = self.host_phase_ms.get(phase, 0.0) + ms
         self.timeline.host_time(time.thread_time() - cpu0)
-        return outputs + self._failed_now()
+
+    def _reads_first_tokens_now(self) -> bool:
+        """Whether the step in flight is read back before the next one is scheduled: it samples a
+        request's first token and holds at most --first-token-wait-max-requests requests. Overlapped,
+        that token would wait for the host to schedule and launch the next step (at batch 1 a launch
+        costs the host about a GPU step), so a fully cached prompt's first token took 2.2-2.8 decode
+        steps; read first, the running requests' next step starts one dispatch later, once per such
+        step. Not with speculation (its scheduling ahead assumes the step in flight) nor while a
+        layout switch runs."""
+        step, limit = self._inflight, self.config.first_token_wait_max_requests
+        if step is None or not limit or len(step.chunks) > limit or self.config.speculative_k:
+            return False
+        if self.switcher is not None and self.switcher.active is not None:
+            return False
+        return any(c.samples and not c.request.output_ids for c in step.chunks)  # (its token still on the device)
 
     def dispatch_delay_s(self) -> float:
         """How long the loop driving step() may still wait for new requests before calling it:
