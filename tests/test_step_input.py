@@ -57,14 +57,19 @@ def test_step_input_memory_is_checked_and_auto_picks_pinned_host_on_gpus():
         EngineConfig(step_input_memory="host").validate()
 
 
-def test_an_unplaced_step_input_is_the_host_buffer_the_program_places_itself():
-    # StepExecutor.run hands the program the host buffer (its call places it by its input
-    # sharding); only an MTP engine, whose draft program reads the step's input again, puts it first
-    engine = Engine(EngineConfig(layout="dp", num_devices=2, **KW))
-    ex = engine.executor
-    shape = ex.shape(engine.layout, ex.buckets(engine.layout)[0])
-    packed = pack_step(shape, [], engine.scheduler.tables, engine.slot_sampling, engine.config.page_size)
-    host = ex.step_input(packed.rep, packed.dev, place=False)
-    assert isinstance(host, np.ndarray)
-    np.testing.assert_array_equal(host, step_buffer(packed.rep, packed.dev))
-    np.testing.assert_array_equal(np.asarray(ex.step_input(packed.rep, packed.dev)), host)
+def test_an_unplaced_step_input_is_the_host_buffer_only_for_device_memory():
+    # StepExecutor.run hands a program whose input lives in device memory the host buffer (its call
+    # moves it); an input in pinned host memory is put there first: a host buffer handed to the call
+    # lands in device memory, which the program refuses on a GPU (E0102; on the CPU both kinds are
+    # host memory, so only this rule guards it). An MTP engine always puts it (its draft program reads it again).
+    for memory in ("device", "pinned_host"):
+        engine = Engine(EngineConfig(layout="dp", num_devices=2, step_input_memory=memory, **KW))
+        ex = engine.executor
+        shape = ex.shape(engine.layout, ex.buckets(engine.layout)[0])
+        packed = pack_step(shape, [], engine.scheduler.tables, engine.slot_sampling, engine.config.page_size)
+        unplaced = ex.step_input(packed.rep, packed.dev, place=False)
+        np.testing.assert_array_equal(np.asarray(unplaced), step_buffer(packed.rep, packed.dev))
+        if memory == "device":
+            assert isinstance(unplaced, np.ndarray)
+        else:
+            assert unplaced.sharding == ex.input_sharding() and unplaced.sharding.memory_kind == "pinned_host"

@@ -59,6 +59,10 @@ def timed_request(engine, prompt, max_tokens):
             if o.request_id == rid and o.delta_token_ids:
                 times.append(time.perf_counter() - t0)
                 cached = o.num_cached_tokens
+            if o.request_id == rid and o.error:
+                raise RuntimeError(f"the probe's request failed: {o.error}")
+    if not times:
+        raise RuntimeError("the probe's request returned no token")
     return times, cached, phases
 
 

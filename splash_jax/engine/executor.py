@@ -316,14 +316,16 @@ class StepExecutor(StepCompilation, SamplerPrograms):
                    place: bool = True) -> jax.Array | np.ndarray:
         """A step's packed buffers as its program's input, put where input_sharding says. A
         jax.Array is taken as that input already (a multi-process global array,
-        distributed/leader.global_step_inputs; dev is None then). place=False: the host buffer
-        itself, which the program's call places by its input sharding in C++ (jax.device_put's
-        Python path cost the engine loop 0.1-0.3 ms per step); only where nothing else reads the
-        input as a device array afterwards (the MTP draft program does: step_inputs)."""
+        distributed/leader.global_step_inputs; dev is None then). place=False, for an input in
+        device memory: the host buffer itself, which the program's call moves to the device in C++
+        (jax.device_put's Python path cost 0.25 ms of the 0.57 ms a batch-1 step's call took on the
+        2-core CPU host). Not for pinned host memory: a host buffer handed to the call went to device
+        memory, and the program refused it (H100, E0102 RuntimeProgramInputMismatch)."""
         if isinstance(rep, jax.Array):
             return rep
         buf = step_buffer(rep, dev)
-        return jax.device_put(buf, self.input_sharding(full)) if place else buf
+        sharding = self.input_sharding(full)
+        return buf if not place and sharding.memory_kind != "pinned_host" else jax.device_put(buf, sharding)
 
     def draft_step_input(self) -> jax.Array:
         """The last step's packed input where a draft program (mtp_draft, one per bucket whether
