@@ -1,6 +1,7 @@
 """The engine against the model alone: continuous batching, chunked prefill, preemption,
 bad requests, sampling controls, and no compilation after warm-up."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -275,11 +276,12 @@ def test_a_request_that_breaks_step_packing_fails_alone(engine, reference):
 def test_a_failed_device_step_recomputes_and_outputs_are_unchanged(engine, reference):
     """A step that fails on the device loses the donated pool: every running request is recomputed
     from an empty pool (none is lost or changed); a request in two failed steps is failed."""
-    run, calls = engine.executor.run, [0]
+    run, calls, pool = engine.executor.run, [0], []
 
     def flaky(*args, **kw):
         calls[0] += 1
-        if calls[0] == 4:
+        if calls[0] == 4:  # fails before it runs: the pool was not donated
+            pool.extend(jax.tree.leaves(engine.executor.kv))
             raise RuntimeError("simulated device failure")
         return run(*args, **kw)
 
@@ -290,6 +292,7 @@ def test_a_failed_device_step_recomputes_and_outputs_are_unchanged(engine, refer
         engine.executor.run = run
     assert [o.token_ids for o in outs] == [reference[p] for p in PROMPTS[:3]]
     assert engine.stats()["step_failures"] == 1 and engine.stats()["pages_used"] == 0
+    assert pool and all(x.is_deleted() for x in pool), "the old pool is freed before the new one is allocated"
 
 
 def _mixed_workload(engine, overlap: bool, reference):

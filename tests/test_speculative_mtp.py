@@ -271,18 +271,25 @@ def test_steps_without_drafts_write_the_latents_drafting_reads(engine, reference
         return compiled(layout, bucket, expanded, latents_only)
 
     monkeypatch.setattr(engine.mtp, "compiled", spy)
+    run = engine.executor.run
+
+    def counted(*args, **kw):  # steps dispatched (a step() call may only read back a first token)
+        ran["steps"] += 1
+        return run(*args, **kw)
+
+    monkeypatch.setattr(engine.executor, "run", counted)
     got = collections.defaultdict(list)
     engine.set_speculative("off")
     ids = [engine.add_request(p, params) for p in PROMPTS]
     outs = [o for _ in range(8) for o in engine.step()]
-    off_steps = ran[True]
+    off_steps, off_dispatched = ran[True], ran["steps"]
     outs += engine.set_speculative("mtp")
     while engine.has_work():
         outs += engine.step()
     for o in outs:
         got[o.request_id] += o.delta_token_ids
     assert [got[i] for i in ids] == [w.token_ids for w in want]
-    assert off_steps == (8 if logprobs else 0) and ran[False] > 0, ran
+    assert off_dispatched >= 6 and off_steps == (off_dispatched if logprobs else 0) and ran[False] > 0, ran
     assert len(seen) > 10
     wrong = [(seq, d, reference(seq)) for seq, d in seen if d != reference(seq)]
     assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"

@@ -444,7 +444,13 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         self.prev_tokens = self._zero_tokens()
 
     def reset_device_state(self) -> None:
-        """After a failed step the donated pool may be gone: start from an empty pool (callers recompute)."""
+        """After a failed step the donated pool may be gone: start from an empty pool (callers recompute).
+        A step that failed before it ran (an input refused, out of memory at its start) left the old
+        pool alive: it is freed first, or a pool sized to most of the device's memory would be
+        allocated twice, and every step after it would run out of memory (seen on one H100)."""
+        for x in jax.tree.leaves((self.kv, self.penalties, self.prev_tokens)):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
         self.kv = jax.tree.map(
             lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)(), self.kv_abstract(self.layout)
         )
