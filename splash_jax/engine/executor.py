@@ -57,6 +57,7 @@ from splash_jax.engine.sampler import FULL_MODE, SamplerMode, SamplerWidths, sam
 from splash_jax.engine.step_packer import StepShape, split_step_buffer, step_buffer, unpack_step
 from splash_jax.kv.cache import KVCache
 from splash_jax.kv.page_copy import PageCopier
+from splash_jax.mesh.host_put import put
 from splash_jax.mesh.layouts import AXIS, LAYOUTS, POOL_SPEC, Layout
 from splash_jax.mtp import mtp_latents
 from splash_jax.switch.migration import MOVE_FIELDS, move_pages_finish, move_pages_start
@@ -106,6 +107,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         # run it, with up to expanded_spans such chunks per device; 0: none.
         self.expanded_min_tokens, self.expanded_spans = expanded_min_tokens, expanded_spans
         self._refused_expanded: set[tuple[str, Bucket]] = set()  # (layout, bucket) whose expanded program failed to build
+        self._shapes: dict[tuple, StepShape] = {}  # shape()'s answers
         self.replicated = NamedSharding(mesh, P())
         self.per_device = NamedSharding(mesh, P(AXIS))
         # The step's one packed input (step_input): in pinned host memory the program moves it to
@@ -208,12 +210,19 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         return LAYOUTS["tp"] if self.n == 1 else layout
 
     def shape(self, layout: Layout, bucket: Bucket, expanded: bool = False) -> StepShape:
+        """The StepShape of (layout, bucket), remembered: packing asks every step, and building one
+        (the pool's abstract shapes included) cost the host ~15 us of a batch-1 step."""
         layout = self.program_layout(layout)
-        return StepShape(
-            bucket.tokens, bucket.requests, self.n, self.kv_abstract(layout).num_segments, self.pages_per_request,
-            layout.owner_rows, self.widths, expanded, self.expanded_spans, self.spec_variants, self.kv.latent.shape[2],
-            self.mtp_hidden,
-        )
+        key = (layout.name, bucket, expanded, self.n, self.pages_per_request, self.widths, self.expanded_spans,
+               self.spec_variants, self.mtp_hidden, self.extra_pages_total, self.kv.latent.shape[2])
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = StepShape(
+                bucket.tokens, bucket.requests, self.n, self.kv_abstract(layout).num_segments, self.pages_per_request,
+                layout.owner_rows, self.widths, expanded, self.expanded_spans, self.spec_variants,
+                self.kv.latent.shape[2], self.mtp_hidden,
+            )
+        return shape
 
     def expands(self, layout: Layout, bucket: Bucket) -> bool:
         """Whether (layout, bucket) has an `expanded` program (a long prefill chunk's attention in
@@ -325,7 +334,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
             return rep
         buf = step_buffer(rep, dev)
         sharding = self.input_sharding(full)
-        return buf if not place and sharding.memory_kind != "pinned_host" else jax.device_put(buf, sharding)
+        return buf if not place and sharding.memory_kind != "pinned_host" else put(buf, sharding)
 
     def draft_step_input(self) -> jax.Array:
         """The last step's packed input where a draft program (mtp_draft, one per bucket whether
@@ -410,7 +419,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         if fused:
             inputs.append(self.open_mask(self.shape(self.layout, bucket, expanded).rows))
         if move is not None:
-            inputs.append(jax.device_put(move, self.per_device))
+            inputs.append(put(move, self.per_device))
         prev = self.prev_tokens
         out, self.kv, self.penalties, *hidden = program(tuple(self.params), self.kv, self.penalties, prev, *inputs)
         if self.mtp_hidden:
@@ -423,7 +432,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         """The sampler program on a full step's logits (deferred by `run(defer=True)`); its tokens
         feed the next step. mask: [rows, ceil(V/32)] int32 token masks (None: every token allowed)."""
         rows = step.logits.shape[0]
-        mask = self.open_mask(rows) if mask is None else jax.device_put(mask, self.replicated)
+        mask = self.open_mask(rows) if mask is None else put(mask, self.replicated)
         return self._sampled(self.sampler_program(rows, mode)(step, self.penalties, mask))
 
     @property

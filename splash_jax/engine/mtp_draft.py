@@ -85,6 +85,7 @@ from splash_jax.attention.layouts import ShardedContext
 from splash_jax.engine.speculative_inputs import row_shifts
 from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, next_tokens, split_step_buffer, unpack_step
 from splash_jax.kv.cache import StepInput
+from splash_jax.mesh.host_put import put
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
 from splash_jax.mtp import greedy_tokens, lm_head, mtp_latents, mtp_layer_output
 
@@ -390,7 +391,7 @@ class MtpDraftRunner:
         """The armed step's per-device buffer on the device; for the latents-only program, which
         reads none of it, one zero buffer per shape kept on the device (no transfer per step)."""
         if armed.mdev is not None:
-            return jax.device_put(armed.mdev, self.ex.per_device)
+            return put(armed.mdev, self.ex.per_device)
         buf = self._no_chains.get(armed.mshape)
         if buf is None:
             size = armed.mshape.device_spec().size
@@ -425,7 +426,7 @@ class MtpDraftRunner:
             self._rows = {}
             return
         program = self.compiled(armed.layout, *armed.key, latents_only=not armed.keep)
-        mrep = jax.device_put(armed.mrep, ex.replicated)
+        mrep = put(armed.mrep, ex.replicated)
         mdev = self._device_buffer(armed)
         vector = None
 

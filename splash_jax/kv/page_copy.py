@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from splash_jax.kv.cache import KVCache
+from splash_jax.mesh.host_put import put
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC
 
 COPY_FIELDS = 4  # per copy slot: source local id, source segment, destination local id, destination segment
@@ -108,5 +109,5 @@ class PageCopier:
 
     def __call__(self, kv: KVCache, buf) -> KVCache:
         if isinstance(buf, np.ndarray):
-            buf = jax.device_put(buf, self.index_sharding)
+            buf = put(buf, self.index_sharding)
         return self.compiled(kv, buf)
