@@ -109,10 +109,11 @@ def main(argv=None):
     log.info("host ms per phase of the cached request's steps up to its first token: %s", phases)
     hosts = [host_times(engine, c, rng, on) for on in (False, True)] if c.requests else []
     print(table([ttft], list(ttft)))
-    print(table([{"caching": h["caching"], "running": h["running"], "schedule_p50": h["schedule_ms"]["p50"],
-                  "schedule_p99": h["schedule_ms"]["p99"], "dispatch_p50": h["dispatch_ms"]["p50"],
-                  "step_p50": h["step_ms"]["p50"]} for h in hosts],
-                ["caching", "running", "schedule_p50", "schedule_p99", "dispatch_p50", "step_p50"]))
+    if hosts:  # --requests 0: no host-time part
+        print(table([{"caching": h["caching"], "running": h["running"], "schedule_p50": h["schedule_ms"]["p50"],
+                      "schedule_p99": h["schedule_ms"]["p99"], "dispatch_p50": h["dispatch_ms"]["p50"],
+                      "step_p50": h["step_ms"]["p50"]} for h in hosts],
+                    ["caching", "running", "schedule_p50", "schedule_p99", "dispatch_p50", "step_p50"]))
     write_results("cached_ttft", {"config": dataclasses.asdict(c), "engine": dataclasses.asdict(config),
                                   "ttft": ttft, "first_token_steps_host_ms": phases, "host": hosts})
 
