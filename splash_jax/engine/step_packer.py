@@ -234,21 +234,26 @@ class SlotSampling:
         key = (num_rows, widths, self._version, rows.tobytes(), slots.tobytes())
         if self._last is None or self._last[0] != key:
             base = SamplingInputs.host(num_rows, widths)
-            for f in dataclasses.fields(SamplingInputs):
-                getattr(base, f.name)[rows] = getattr(self.table, f.name)[slots]
+            self._copy_rows(base, rows, slots)
             self._last = (key, base)
         base = self._last[1]
         out = SamplingInputs(*(getattr(base, f.name).copy() for f in dataclasses.fields(SamplingInputs)))
-        out.step[rows] = generated
-        out.suppress_ids[rows[generated >= self.min_tokens[slots]]] = -1
+        self._set_position(out, rows, slots, generated)
         return out
 
     def rows(self, out: SamplingInputs, rows: np.ndarray, slots: np.ndarray, generated: np.ndarray) -> None:
+        """Write slots[i]'s row at output position generated[i] into out's row rows[i]."""
+        self._copy_rows(out, rows, slots)
+        self._set_position(out, rows, slots, generated)
+
+    def _copy_rows(self, out: SamplingInputs, rows: np.ndarray, slots: np.ndarray) -> None:
         for f in dataclasses.fields(SamplingInputs):
             getattr(out, f.name)[rows] = getattr(self.table, f.name)[slots]
+
+    def _set_position(self, out: SamplingInputs, rows: np.ndarray, slots: np.ndarray, generated: np.ndarray) -> None:
+        """What depends on the output position: the step, and no suppressed ids once min_tokens is met."""
         out.step[rows] = generated
-        done = generated >= self.min_tokens[slots]
-        out.suppress_ids[rows[done]] = -1
+        out.suppress_ids[rows[generated >= self.min_tokens[slots]]] = -1
 
 
 @dataclasses.dataclass
