@@ -92,13 +92,13 @@ class LeaderExecutor:
         setattr(self._inner, name, value)
 
     def run(self, bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
-            expanded: bool = False, mode: SamplerMode = FULL_MODE, defer: bool = False):
+            expanded: bool = False, mode: SamplerMode = FULL_MODE, defer: bool = False, drafted: bool | None = None):
         self._channel.send(Command(
             "step", {"bucket": dataclasses.asdict(bucket), "full": bool(full), "expanded": bool(expanded),
                      "mode": dataclasses.asdict(mode), "defer": bool(defer), "t": time.time()},
             {"rep": rep, "dev": dev, "move": move},
         ))
-        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move, self._inner.returns_logits(bucket, full, move is not None, expanded, defer)), full, expanded, mode, defer)
+        return self._inner.run(bucket, *global_step_inputs(self._inner, rep, dev, move, self._inner.returns_logits(bucket, full, move is not None, expanded, defer)), full, expanded, mode, defer, drafted)
 
     def sample(self, step, mode: SamplerMode = FULL_MODE, mask: np.ndarray | None = None):
         self._channel.send(Command("sample", {"mode": dataclasses.asdict(mode)}, {"mask": mask}))

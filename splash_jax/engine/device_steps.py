@@ -108,10 +108,15 @@ class DeviceSteps:
                     mode = dataclasses.replace(mode, top_logprobs=True)
             # A step with grammar rows runs its forward pass now and its sampling once the host
             # has advanced each grammar by the previous step's token (_sample_deferred).
-            out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained)
-            if self.mtp is not None:  # the MTP pass and draft chain, once the step's tokens exist
-                keep = self._mtp_keeps(chunks)
-                if keep or self.executor.returns_logits(bucket, full, move is not None, expanded, constrained):
+            # the MTP pass and draft chain, once the step's tokens exist: drafts (keep), or the
+            # latents alone after a step that hands its logits to a sampler program
+            keep = self.mtp is not None and self._mtp_keeps(chunks)
+            drafted = self.mtp is not None and (
+                keep or self.executor.returns_logits(bucket, full, move is not None, expanded, constrained))
+            out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained,
+                                    drafted=drafted)
+            if self.mtp is not None:
+                if drafted:
                     self.mtp.arm(bucket, expanded, packed, chunks, self.scheduler.tables, keep=keep)
                     if not constrained:
                         self.mtp.fire(out.tokens)

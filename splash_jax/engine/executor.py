@@ -399,7 +399,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
     # --- running --------------------------------------------------------------------------
     def run(
         self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
-        expanded: bool = False, mode: SamplerMode = FULL_MODE, defer: bool = False,
+        expanded: bool = False, mode: SamplerMode = FULL_MODE, defer: bool = False, drafted: bool | None = None,
     ) -> StepResult | StepLogits:
         """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced.
         full: the sampler with random draws, logprobs, penalties and grammar masks
@@ -407,7 +407,11 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         beyond that) after the step's, with every token allowed; in a bucket that fuses, the fused
         program samples in `mode` itself (same tokens, one launch). defer (full only): dispatch the
         forward pass alone and return its StepLogits; `sample()` runs the sampler later, with the
-        grammar masks the host fills meanwhile, before the next step. expanded: the program with a prefill_span (packed with `shape(..., expanded=True)`)."""
+        grammar masks the host fills meanwhile, before the next step. expanded: the program with a prefill_span (packed with `shape(..., expanded=True)`).
+        drafted (an MTP engine): whether a draft program reads this step's input, hidden states
+        and tokens (MtpDraftRunner.arm; default yes); when none does (the draft budget at level 0
+        on a step that samples its own tokens), the input goes to the call as a host buffer, as
+        with speculation off."""
         if expanded and move is not None:
             raise ValueError("a step that moves pages has no expanded-prefill program")
         if defer and not full:
@@ -415,15 +419,16 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         apart = self.returns_logits(bucket, full, move is not None, expanded, defer)
         fused = full and not apart
         program = self.compiled(self.layout, bucket, move is not None, full, expanded, mode if fused else None)
-        inputs = [self.step_input(rep, dev, apart, place=self.mtp_hidden)]
+        drafted = self.mtp_hidden and (drafted is None or drafted)
+        inputs = [self.step_input(rep, dev, apart, place=drafted)]
         if fused:
             inputs.append(self.open_mask(self.shape(self.layout, bucket, expanded).rows))
         if move is not None:
             inputs.append(put(move, self.per_device))
         prev = self.prev_tokens
         out, self.kv, self.penalties, *hidden = program(tuple(self.params), self.kv, self.penalties, prev, *inputs)
-        if self.mtp_hidden:
-            self.step_hidden, self.step_inputs, self.step_prev_tokens = hidden[0], inputs, prev
+        if self.mtp_hidden:  # (None when no draft program reads them: draft_step_input refuses)
+            self.step_hidden, self.step_inputs, self.step_prev_tokens = (hidden[0], inputs, prev) if drafted else (None,) * 3
         if defer:
             return out
         return self.sample(out, mode) if apart else self._sampled(out)

@@ -1,0 +1,127 @@
+"""Probe: what an MTP engine's steps without drafts cost against speculation off.
+
+    python -m benchmarks.probes.mtp_level0                       # the bundled model and its MTP head
+    python -m benchmarks.probes.mtp_level0 --batches 1,8 --max-tokens 256
+
+The draft budget turns drafts off (level 0) when they do not pay, and "never loses" needs such
+steps to cost what speculation off costs. An MTP engine still writes every position's MTP latent
+(drafting may resume over it), inside the step program of a step that samples its own tokens.
+This runs the same greedy requests on two engines of one process:
+  off   an engine without an MTP layer, speculation off (overlapped), the baseline of
+        benchmarks/speculative.py
+  mtp0  an MTP engine with K = 3 whose draft budget is held at level 0
+and reports per decode step: wall time, the engine thread's host time by phase
+(engine.last_step_ms), and on a GPU the busy time and kernels per step from a profiler trace
+(benchmarks/profiling.py). Prints a table and writes JSON to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+
+from benchmarks.common import parse_engine_and_bench, table, write_results
+from benchmarks.profiling import device_busy
+from benchmarks.speculative import prompts
+from splash_jax.engine import Engine, SamplingParams
+
+log = logging.getLogger("benchmarks.probes.mtp_level0")
+
+
+@dataclasses.dataclass
+class ProbeConfig:
+    batches: str = "1,8"
+    max_tokens: int = 256
+    workload: str = "fresh"  # benchmarks/speculative.py's prompts
+    repeats: int = 3  # timed runs per (engine, batch); medians reported
+    profile_steps: int = 20  # decode steps under the profiler (GPU busy)
+
+
+def hold_level_zero(engine: Engine) -> None:
+    """The engine's draft budget chooses level 0 for every step (and reports no step to learn from)."""
+    budget = engine.draft_budget
+
+    def choose_level(requests: int) -> int:
+        budget.level, budget.key = 0, None
+        return 0
+
+    budget.choose_level = choose_level
+
+
+def run_once(engine: Engine, texts: list[str], max_tokens: int) -> tuple[float, int, dict]:
+    """(seconds, decode steps, summed host ms by phase over them) of the prompts to completion."""
+    engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i, t in enumerate(texts):
+        engine.add_request(t, params, request_id=f"r{i}")
+    phases: dict[str, float] = {}
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_work():
+        engine.step()
+        if engine.scheduler.running and not engine.scheduler.waiting:
+            steps += 1
+            for k, v in engine.last_step_ms.items():
+                phases[k] = phases.get(k, 0.0) + v
+    return time.perf_counter() - t0, steps, phases
+
+
+def busy(engine: Engine, texts: list[str], steps: int):
+    """GPU busy per step over `steps` decode steps in the middle of a run."""
+    engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=4 * steps + 64, ignore_eos=True)
+    for i, t in enumerate(texts):
+        engine.add_request(t, params, request_id=f"p{i}")
+    while engine.scheduler.waiting or any(r.num_generated < 8 for r in engine.scheduler.running):
+        engine.step()
+    prof = device_busy(engine.step, steps)
+    while engine.has_work():
+        engine.step()
+    return prof
+
+
+def main(argv=None):
+    probe, config = parse_engine_and_bench(__doc__, ProbeConfig, argv)
+    engines = {
+        "off": Engine(dataclasses.replace(config, speculative_method="ngram", speculative_tokens=3)),
+        "mtp0": Engine(dataclasses.replace(config, speculative_method="mtp", speculative_tokens=3)),
+    }
+    engines["off"].set_speculative("off")
+    engines["mtp0"].set_speculative("mtp", 3)
+    hold_level_zero(engines["mtp0"])
+    rows = []
+    for batch in [int(b) for b in probe.batches.split(",")]:
+        texts = prompts(probe.workload, batch, 1200)
+        for name, engine in engines.items():
+            run_once(engine, texts, 16)  # first runs of this batch's buckets
+        results = {name: [] for name in engines}
+        for _ in range(probe.repeats):  # alternate, so drift hits both
+            for name, engine in engines.items():
+                results[name].append(run_once(engine, texts, probe.max_tokens))
+        for name, engine in engines.items():
+            seconds = statistics.median(r[0] for r in results[name])
+            steps = statistics.median(r[1] for r in results[name])
+            phases = {k: statistics.median(r[2].get(k, 0.0) / max(r[1], 1) for r in results[name])
+                      for k in results[name][0][2]}
+            prof = busy(engine, texts, probe.profile_steps)
+            rows.append({
+                "batch": batch, "engine": name, "seconds": seconds, "tok_per_s": batch * probe.max_tokens / seconds,
+                "decode_steps": steps, "wall_ms_per_step": prof.window_ms,
+                "host_ms_per_step": sum(v for k, v in phases.items() if k != "wait"),
+                "schedule_ms": phases.get("schedule"), "dispatch_ms": phases.get("dispatch"),
+                "complete_ms": phases.get("complete"), "wait_ms": phases.get("wait"),
+                "gpu_busy_ms": prof.busy_ms, "kernels_per_step": prof.kernels, "top_kernels": prof.top,
+            })
+        off = next(r for r in rows if r["batch"] == batch and r["engine"] == "off")
+        for r in rows:
+            if r["batch"] == batch:
+                r["tok_s_over_off"] = r["tok_per_s"] / off["tok_per_s"]
+        log.info("batch %d: mtp0 at %.3fx of off", batch, rows[-1]["tok_s_over_off"])
+    print(table(rows, ["batch", "engine", "tok_per_s", "tok_s_over_off", "wall_ms_per_step", "gpu_busy_ms",
+                       "kernels_per_step", "host_ms_per_step", "schedule_ms", "dispatch_ms", "complete_ms", "wait_ms"]))
+    write_results("mtp_level0", {"config": dataclasses.asdict(probe), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
