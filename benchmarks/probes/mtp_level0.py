@@ -37,6 +37,7 @@ class ProbeConfig:
     workload: str = "fresh"  # benchmarks/speculative.py's prompts
     repeats: int = 3  # timed runs per (engine, batch); medians reported
     profile_steps: int = 20  # decode steps under the profiler (GPU busy)
+    host_profile_steps: int = 100  # decode steps under cProfile (the host functions that differ); 0: none
 
 
 def hold_level_zero(engine: Engine) -> None:
@@ -81,6 +82,32 @@ def busy(engine: Engine, texts: list[str], steps: int):
     return prof
 
 
+def host_profile(engine: Engine, texts: list[str], steps: int, top: int = 14) -> list[tuple[str, float, float]]:
+    """(function, own us per step, calls per step) of the `top` costliest functions by own time
+    over `steps` decode steps under cProfile (its overhead inflates Python-heavy functions; a call
+    into C, such as a program's launch, is timed as it is)."""
+    import cProfile
+    import pstats
+
+    engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+    for i, t in enumerate(texts):
+        engine.add_request(t, params, request_id=f"h{i}")
+    while engine.scheduler.waiting or any(r.num_generated < 8 for r in engine.scheduler.running):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    while engine.has_work():
+        engine.step()
+    stats = pstats.Stats(prof).stats
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [(f"{fn.rsplit('/', 1)[-1]}:{line}({name})", tt / steps * 1e6, nc / steps)
+            for (fn, line, name), (_, nc, tt, _, _) in ranked]
+
+
 def main(argv=None):
     probe, config = parse_engine_and_bench(__doc__, ProbeConfig, argv)
     engines = {
@@ -105,6 +132,9 @@ def main(argv=None):
             phases = {k: statistics.median(r[2].get(k, 0.0) / max(r[1], 1) for r in results[name])
                       for k in results[name][0][2]}
             prof = busy(engine, texts, probe.profile_steps)
+            hosts = host_profile(engine, texts, probe.host_profile_steps) if probe.host_profile_steps else []
+            for fn, us, calls in hosts:
+                log.info("batch %d %s host: %8.1f us/step %5.1f calls/step  %s", batch, name, us, calls, fn)
             rows.append({
                 "batch": batch, "engine": name, "seconds": seconds, "tok_per_s": batch * probe.max_tokens / seconds,
                 "decode_steps": steps, "wall_ms_per_step": prof.window_ms,
@@ -112,6 +142,7 @@ def main(argv=None):
                 "schedule_ms": phases.get("schedule"), "dispatch_ms": phases.get("dispatch"),
                 "complete_ms": phases.get("complete"), "wait_ms": phases.get("wait"),
                 "gpu_busy_ms": prof.busy_ms, "kernels_per_step": prof.kernels, "top_kernels": prof.top,
+                "host_profile": hosts,
             })
         off = next(r for r in rows if r["batch"] == batch and r["engine"] == "off")
         for r in rows:
