@@ -273,8 +273,11 @@ def test_steps_without_drafts_write_the_latents_drafting_reads(engine, reference
     monkeypatch.setattr(engine.mtp, "compiled", spy)
     run = engine.executor.run
 
+    drafted = []  # per step: whether a draft program reads its input (else it goes to the call as a host buffer)
+
     def counted(*args, **kw):  # steps dispatched (a step() call may only read back a first token)
         ran["steps"] += 1
+        drafted.append(kw.get("drafted"))
         return run(*args, **kw)
 
     monkeypatch.setattr(engine.executor, "run", counted)
@@ -283,6 +286,8 @@ def test_steps_without_drafts_write_the_latents_drafting_reads(engine, reference
     ids = [engine.add_request(p, params) for p in PROMPTS]
     outs = [o for _ in range(8) for o in engine.step()]
     off_steps, off_dispatched = ran[True], ran["steps"]
+    assert drafted == [bool(logprobs)] * off_dispatched  # greedy: the step program wrote the latents itself
+    assert (engine.executor.step_inputs is None) == (not logprobs)
     outs += engine.set_speculative("mtp")
     while engine.has_work():
         outs += engine.step()
