@@ -68,17 +68,27 @@ def run_once(engine: Engine, texts: list[str], max_tokens: int) -> tuple[float, 
     return time.perf_counter() - t0, steps, phases
 
 
-def busy(engine: Engine, texts: list[str], steps: int):
-    """GPU busy per step over `steps` decode steps in the middle of a run."""
+def start_decoding(engine: Engine, texts: list[str], max_tokens: int, prefix: str) -> None:
+    """The prompts admitted, prefilled and a few tokens into decoding (steps measured from here
+    are decode steps of the whole batch)."""
     engine.reset_prefix_cache()
-    params = SamplingParams(max_tokens=4 * steps + 64, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, t in enumerate(texts):
-        engine.add_request(t, params, request_id=f"p{i}")
+        engine.add_request(t, params, request_id=f"{prefix}{i}")
     while engine.scheduler.waiting or any(r.num_generated < 8 for r in engine.scheduler.running):
         engine.step()
-    prof = device_busy(engine.step, steps)
+
+
+def finish(engine: Engine) -> None:
     while engine.has_work():
         engine.step()
+
+
+def busy(engine: Engine, texts: list[str], steps: int):
+    """GPU busy per step over `steps` decode steps in the middle of a run."""
+    start_decoding(engine, texts, 4 * steps + 64, "p")
+    prof = device_busy(engine.step, steps)
+    finish(engine)
     return prof
 
 
@@ -89,19 +99,13 @@ def host_profile(engine: Engine, texts: list[str], steps: int, top: int = 14) ->
     import cProfile
     import pstats
 
-    engine.reset_prefix_cache()
-    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
-    for i, t in enumerate(texts):
-        engine.add_request(t, params, request_id=f"h{i}")
-    while engine.scheduler.waiting or any(r.num_generated < 8 for r in engine.scheduler.running):
-        engine.step()
+    start_decoding(engine, texts, steps + 64, "h")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         engine.step()
     prof.disable()
-    while engine.has_work():
-        engine.step()
+    finish(engine)
     stats = pstats.Stats(prof).stats
     ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [(f"{fn.rsplit('/', 1)[-1]}:{line}({name})", tt / steps * 1e6, nc / steps)
