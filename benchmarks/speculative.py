@@ -23,7 +23,9 @@ speculative run follows an unmeasured one of the same requests that trains the e
 budget, as a server's has been trained long before. `speedup` is the whole closed batch, which
 ends when its slowest request does: drafts kept unevenly leave a drain of a few requests in
 small steps. `full_batch_speedup` is tokens per second over the steps in which every request
-decoded (the steady state a server at that concurrency sees). --trace keeps each timed run's
+decoded (the steady state a server at that concurrency sees), and `tpot_speedup` the median
+request's time per output token (after its first) with speculation off over on: what a stream
+sees, as benchmarks/speculative_server.py's client measures it. --trace keeps each timed run's
 steps. Writes JSON to benchmarks/results/.
 """
 
@@ -98,9 +100,39 @@ TRACES: dict[int, StepTrace] = {}  # every engine's step trace, by id(engine)
 STEPS: list[dict] = []  # each timed run's steps (in the JSON with --trace)
 
 
-def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = None) -> tuple[float, list, float | None]:
-    """The prompts to completion -> (seconds, outputs, full-batch tok/s); `timed` names a measured
-    run (its steps are kept with --trace)."""
+@dataclasses.dataclass
+class Run:
+    """One run of the prompts to completion."""
+
+    seconds: float
+    outs: list
+    full: float | None  # tok/s over the steps in which every request decoded (with a trace)
+    tpot: float | None  # the median request's time per output token after its first, seconds
+
+
+@dataclasses.dataclass
+class Cell:
+    """--repeats pairs (off, then a method at K): medians over the pairs."""
+
+    ratio: float  # output tok/s over off's (the whole closed batch)
+    seconds: float
+    outs: list
+    spec: dict  # the engine's speculative stats after the last run
+    offs: list[float]  # off seconds per pair
+    ons: list[float]  # on seconds per pair
+    full: float | None  # ratio of the full-batch rates
+    tpot: float | None  # off's median request TPOT over this method's
+
+
+def median_tpot(outs) -> float | None:
+    """The median over requests of (finish - first token) / (tokens - 1): what each stream sees,
+    as a server's client measures it (benchmarks/speculative_server.py)."""
+    tpots = [o.tpot for o in outs if o.tpot is not None]
+    return float(np.median(tpots)) if tpots else None
+
+
+def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = None) -> Run:
+    """The prompts to completion; `timed` names a measured run (its steps are kept with --trace)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     trace = TRACES.get(id(engine)) if timed else None
     if trace is not None:
@@ -111,35 +143,40 @@ def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = N
     steps = trace.stop() if trace is not None else []
     if steps:
         STEPS.append({"run": timed, "batch": len(texts), "seconds": seconds, "steps": steps})
-    return seconds, outs, full_batch_rate(steps, len(texts))
+    return Run(seconds, outs, full_batch_rate(steps, len(texts)), median_tpot(outs))
 
 
-def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int):
+def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int) -> tuple[Run, dict]:
     """One timed run (after an unmeasured one when an adaptive draft budget has to learn) ->
-    (seconds, outputs, speculative stats, full-batch tok/s)."""
+    (the run, speculative stats)."""
     engine.set_overlap(not method.endswith("-sync"))
     engine.set_speculative(method.removesuffix("-sync") if k else "off", k or None)
     if k and engine.config.speculative_adaptive:
         engine.reset_prefix_cache()
         run(engine, texts, max_tokens)  # trains the budget (its first steps try each level)
     engine.reset_prefix_cache()  # every run prefills its prompts
-    seconds, outs, full = run(engine, texts, max_tokens, timed=f"{method} K={k}")
-    return seconds, outs, engine.stats()["speculative"] or {}, full
+    timed = run(engine, texts, max_tokens, timed=f"{method} K={k}")
+    return timed, engine.stats()["speculative"] or {}
 
 
-def cell(engine: Engine, base_engine: Engine, method: str, k: int, texts: list[str], bench: SpecBench):
-    """--repeats pairs (off, then this method at K): (median ratio, median seconds, outputs, stats,
-    off seconds per pair, on seconds per pair, median ratio of the full-batch rates)."""
-    offs, ons, fulls, outs, spec = [], [], [], None, {}
+def _median_ratio(pairs) -> float | None:
+    ratios = [a / b for a, b in pairs if a and b]
+    return float(np.median(ratios)) if ratios else None
+
+
+def cell(engine: Engine, base_engine: Engine, method: str, k: int, texts: list[str], bench: SpecBench) -> Cell:
+    """--repeats pairs: off on base_engine, then `method` at K on engine, back to back."""
+    offs, ons = [], []
     for _ in range(bench.repeats):
-        off_s, _, _, off_full = measure(base_engine, "off", 0, texts, bench.max_tokens)
-        seconds, outs, spec, on_full = measure(engine, method, k, texts, bench.max_tokens)
-        offs.append(off_s)
-        ons.append(seconds)
-        if off_full and on_full:
-            fulls.append(on_full / off_full)
-    ratio = float(np.median([a / b for a, b in zip(offs, ons)]))
-    return ratio, float(np.median(ons)), outs, spec, offs, ons, (float(np.median(fulls)) if fulls else None)
+        off, _ = measure(base_engine, "off", 0, texts, bench.max_tokens)
+        on, spec = measure(engine, method, k, texts, bench.max_tokens)
+        offs.append(off)
+        ons.append(on)
+    return Cell(_median_ratio((a.seconds, b.seconds) for a, b in zip(offs, ons)) or 0.0,
+                float(np.median([r.seconds for r in ons])), ons[-1].outs, spec,
+                [r.seconds for r in offs], [r.seconds for r in ons],
+                _median_ratio((b.full, a.full) for a, b in zip(offs, ons)),
+                _median_ratio((a.tpot, b.tpot) for a, b in zip(offs, ons)))
 
 
 def main(argv=None):
@@ -162,36 +199,37 @@ def main(argv=None):
             for engine in engines.values():
                 engine.set_speculative("off")
                 run(engine, texts, 8)  # first runs of this batch's buckets
-            base_s, base, _, _ = measure(base_engine, "off", 0, texts, bench.max_tokens)
+            base_run, _ = measure(base_engine, "off", 0, texts, bench.max_tokens)
+            base = base_run.outs
             # the noise floor: one token per step, only the batch around these prompts changed
             differ, first_diff = divergence(base, first_base) if first_base is not None else (None, None)
             first_base = first_base if first_base is not None else base
-            runs = [("off", 0, 1.0, base_s, base, {}, differ, first_diff, [base_s], [], 1.0)]
+            runs = [("off", 0, Cell(1.0, base_run.seconds, base, {}, [base_run.seconds], [], 1.0, 1.0), differ, first_diff)]
             for method in methods:
                 for k in (k for k in drafts if k):
                     engine = engines[method.removesuffix("-sync")]
-                    ratio, seconds, outs, spec, offs, ons, full = cell(engine, base_engine, method, k, texts, bench)
-                    runs.append((method, k, ratio, seconds, outs, spec, *divergence(outs, base), offs, ons, full))
+                    c = cell(engine, base_engine, method, k, texts, bench)
+                    runs.append((method, k, c, *divergence(c.outs, base)))
             for s in STEPS:
                 s.setdefault("workload", workload)
-            for method, k, ratio, seconds, outs, spec, differ, first_diff, offs, ons, full in runs:
-                tokens = sum(len(o.token_ids) for o in outs)
+            for method, k, c, differ, first_diff in runs:
+                tokens = sum(len(o.token_ids) for o in c.outs)
+                spec = c.spec
                 adaptive = spec.get("adaptive") or {}
                 rows.append({
-                    "workload": workload, "batch": batch, "method": method, "K": k, "tok_per_s": tokens / seconds,
-                    "speedup": ratio, "full_batch_speedup": full, "tokens": tokens,
+                    "workload": workload, "batch": batch, "method": method, "K": k, "tok_per_s": tokens / c.seconds,
+                    "speedup": c.ratio, "full_batch_speedup": c.full, "tpot_speedup": c.tpot, "tokens": tokens,
                     "acceptance": spec.get("acceptance_rate"), "accepted_per_step": spec.get("mean_accepted_per_step"),
                     "histogram": spec.get("accepted_histogram"),
                     "mean_k": adaptive.get("mean_k"), "budget": adaptive or None,
-                    "off_seconds": offs, "on_seconds": ons,
+                    "off_seconds": c.offs, "on_seconds": c.ons,
                     "identical": None if k == 0 else differ == 0,
                     # K > 0: against K = 0 in this batch; K = 0: against K = 0 at the first batch
                     "requests_differing": differ, "first_difference_at": first_diff,
                 })
-                log.info("%s batch %d %s K=%d: %.1f tok/s, %.3fx", workload, batch, method, k, tokens / seconds, ratio)
-    print(table(rows, ["workload", "batch", "method", "K", "tok_per_s", "speedup", "full_batch_speedup", "acceptance",
-                       "accepted_per_step",
-                       "mean_k", "requests_differing", "first_difference_at"]))
+                log.info("%s batch %d %s K=%d: %.1f tok/s, %.3fx", workload, batch, method, k, tokens / c.seconds, c.ratio)
+    print(table(rows, ["workload", "batch", "method", "K", "tok_per_s", "speedup", "full_batch_speedup", "tpot_speedup",
+                       "acceptance", "accepted_per_step", "mean_k", "requests_differing", "first_difference_at"]))
     dtype = str(base_engine.page_dtype)
     write_results("speculative", {"config": dataclasses.asdict(bench), "dtype": dtype, "engine": {
         k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}, "rows": rows}

@@ -14,9 +14,13 @@ files) and each stream count S, with S requests at a time (a round), every reque
    The n-gram server's tokens are checked equal to the off server's.
 2. The engine alone, in this process after the servers are gone (benchmarks/speculative.py's
    cell: --repeats pairs of runs, off then n-gram after a run that trains the budget): the median
-   ratio of output tokens per second.
+   ratio of output tokens per second of the closed batch (`engine_speedup`), and of the median
+   request's TPOT, measured as the client does (`engine_tpot_speedup`).
 `server_speedup` = TPOT off / TPOT n-gram; `server_over_engine` = server_speedup / engine_speedup
-(the issue "Speculative decoding that pays at every batch size" asks it within 10% of 1).
+and `server_over_engine_tpot` = server_speedup / engine_tpot_speedup (the issue "Speculative
+decoding that pays at every batch size" asks the server's TPOT to improve by the engine's factor
+within 10%: the TPOT ratio compares the same quantity on both sides; a closed batch's tok/s also
+counts its drain, which a stream's TPOT does not).
 Writes JSON to benchmarks/results/speculative_server_<machine>_<time>.json.
 """
 
@@ -127,20 +131,24 @@ def main(argv=None):
     for workload, s, texts in cells:
         engine.set_speculative("off")
         speculative.run(engine, texts, 8)  # first runs of this batch's buckets
-        ratio, _, outs, stats, offs, ons, _ = speculative.cell(engine, engine, "ngram", args.drafts, texts, bench)
+        c = speculative.cell(engine, engine, "ngram", args.drafts, texts, bench)
         tpot_off, ids_off = off["cells"][(workload, s)]
         tpot_on, ids_on = ngram["cells"][(workload, s)]
+        server = tpot_off / tpot_on
         rows.append({
             "workload": workload, "streams": s, "batch": s, "K": args.drafts,
-            "acceptance": stats.get("acceptance_rate"), "engine_speedup": ratio,
-            "tpot_off_ms": tpot_off * 1e3, "tpot_ngram_ms": tpot_on * 1e3, "server_speedup": tpot_off / tpot_on,
-            "server_over_engine": tpot_off / tpot_on / ratio, "speedup": tpot_off / tpot_on,
+            "acceptance": c.spec.get("acceptance_rate"), "engine_speedup": c.ratio, "engine_tpot_speedup": c.tpot,
+            "tpot_off_ms": tpot_off * 1e3, "tpot_ngram_ms": tpot_on * 1e3, "server_speedup": server,
+            "server_over_engine": server / c.ratio, "speedup": server,
+            "server_over_engine_tpot": server / c.tpot if c.tpot else None,
             "server_outputs_identical": ids_off == ids_on,
-            "engine_outputs_equal_server": [o.token_ids for o in outs] == ids_off,
-            "engine_off_seconds": offs, "engine_on_seconds": ons, "mean_k": (stats.get("adaptive") or {}).get("mean_k"),
+            "engine_outputs_equal_server": [o.token_ids for o in c.outs] == ids_off,
+            "engine_off_seconds": c.offs, "engine_on_seconds": c.ons,
+            "mean_k": (c.spec.get("adaptive") or {}).get("mean_k"),
         })
-    print(table(rows, ["workload", "streams", "acceptance", "engine_speedup", "tpot_off_ms", "tpot_ngram_ms",
-                       "server_speedup", "server_over_engine", "server_outputs_identical"]))
+    print(table(rows, ["workload", "streams", "acceptance", "engine_speedup", "engine_tpot_speedup", "tpot_off_ms",
+                       "tpot_ngram_ms", "server_speedup", "server_over_engine", "server_over_engine_tpot",
+                       "server_outputs_identical"]))
     write_results("speculative_server", {"args": vars(args), "rows": rows, "server_spec_metrics": ngram["spec_metrics"],
                                          "engine": {k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}})
     if not all(r["server_outputs_identical"] for r in rows):

@@ -84,7 +84,7 @@ def test_two_processes_match_one_across_a_live_switch(model_dir, tmp_path):
     assert got["switches"] == [["dp", "tp", "done"]]
     want = reference(model_dir, "dp")
     assert got["outputs"] == want
-    assert got["copied_pages"] > 0  # the repeated page-aligned prompt's copy-on-write page, mirrored
+    assert got["copied_pages"] > 0  # the repeated page-aligned prompt's copy-on-write page, mirrored (worker)
     assert "step command lag" in got["follower_log"]
 
 

@@ -142,13 +142,15 @@ def fake_token(r):
     return (sum(seq) * 31 + r.num_known) % (VOCAB - 2) + 2
 
 
-def drive(ops, placement, n, caching, pages_per_device):
-    """Run the scheduler on a fake step over `ops`; returns outputs by request id."""
+def drive(ops, placement, n, caching, pages_per_device, share_last=True):
+    """Run the scheduler on a fake step over `ops`; returns outputs by request id. share_last:
+    a fully cached prompt shares its last page (False: copies it on write, as MTP engines do)."""
     a = PageAllocator(n, pages_per_device, S)
     # As the engine does: a request never outgrows what one device holds (max_model_len is capped).
     max_len = pages_per_device * S
     sched = Scheduler(a, max_num_seqs=6, max_num_batched_tokens=12, placement=placement, max_model_len=max_len,
                       pages_per_request=16, enable_prefix_caching=caching, balance_pages=2)
+    sched.share_last_cached_page = share_last
     shadow = Shadow()
     reqs, outs = {}, {}
     prefixes = [list(range(2, 2 + 9)), list(range(20, 20 + 6)), [7, 7, 7, 7, 8, 8, 8, 8]]
@@ -219,9 +221,9 @@ OP = st.one_of(
 
 @pytest.mark.parametrize("placement,n", [(REPLICATED, 2), (OWNER, 3), (STRIPED, 2)], ids=["tp", "dp", "cp"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(OP, min_size=1, max_size=30), pages=st.integers(5, 14))
-def test_random_interleavings_keep_every_page_consistent(placement, n, ops, pages):
-    cached, sched = drive(ops, placement, n, True, pages)
+@given(ops=st.lists(OP, min_size=1, max_size=30), pages=st.integers(5, 14), share=st.booleans())
+def test_random_interleavings_keep_every_page_consistent(placement, n, ops, pages, share):
+    cached, sched = drive(ops, placement, n, True, pages, share)
     plain, _ = drive(ops, placement, n, False, pages)
     # With caching the same tokens come out (the fake step's token depends only on the sequence),
     # except where aborts landed on different steps (they are keyed by position in `running`).
@@ -263,9 +265,41 @@ def run_until_idle(sched, computed=None, copies=None):
         sched.allocator.check_invariants()
 
 
-def test_a_fully_cached_prompt_copies_its_last_page_and_computes_one_token():
+def test_a_fully_cached_prompt_shares_every_page_and_computes_one_token_without_writing():
     a = PageAllocator(2, 40, S)
     sched = Scheduler(a, 8, 20, REPLICATED, 64, 16, enable_prefix_caching=True)
+    prompt = list(range(2, 2 + 4 * S))  # 4 full pages
+    sched.add(req("g0", prompt, 3))
+    run_until_idle(sched)
+    computed, copies = [], []
+    for i in (1, 2):
+        sched.add(req(f"g{i}", prompt, 3))
+    out = sched.schedule()
+    # both take every cached page, the last one included, and compute their last token reading its
+    # cached latent (no write: a page several requests reference is never written)
+    assert [(c.request.request_id, c.start, c.num_tokens, c.writes) for c in out.chunks] == [
+        ("g1", 4 * S - 1, 1, False), ("g2", 4 * S - 1, 1, False)]
+    g1, g2 = (c.request for c in out.chunks)
+    assert g1.device_pages == g2.device_pages and all(len(p) == 4 for p in g1.device_pages)
+    assert all(a.refs(p) == 2 for pages in g1.device_pages for p in pages)
+    assert sched.take_page_copies() == [] and sched.cache_stats.copied_pages == 0
+    sched.dispatched(out.chunks)
+    sched.update(out.chunks, [0, 1], np.array([5, 6]))
+    out = sched.schedule()  # their next tokens start a page of their own each
+    assert [(c.start, c.writes) for c in out.chunks] == [(4 * S, True)] * 2
+    for d in range(2):
+        assert g1.device_pages[d][:4] == g2.device_pages[d][:4] and g1.device_pages[d][4] != g2.device_pages[d][4]
+    sched.dispatched(out.chunks)
+    sched.update(out.chunks, [0, 1], np.array([5, 6]))
+    run_until_idle(sched, computed, copies)
+    assert copies == [] and sched.cache_stats.hits == 2 * (4 * S - 1)
+    assert a.num_referenced() == 0 and a.num_cached() >= 2 * 4  # the prompt's pages stay cached, on each device
+
+
+def test_an_mtp_engine_copies_the_last_cached_page_on_write_instead():
+    a = PageAllocator(2, 40, S)
+    sched = Scheduler(a, 8, 20, REPLICATED, 64, 16, enable_prefix_caching=True)
+    sched.share_last_cached_page = False  # as EngineCore sets it for MTP
     prompt = list(range(2, 2 + 4 * S))  # 4 full pages
     sched.add(req("g0", prompt, 3))
     run_until_idle(sched)

@@ -730,11 +730,13 @@ def test_a_page_several_requests_share_is_copied_once_per_device(engine, shared_
     engine.allocator.check_invariants()
 
 
-def test_fully_cached_prompts_copy_their_last_page_and_compute_one_token(engine):
-    """A prompt whose every page is cached (page-aligned) references all but the page of its last
-    token, copies that page on write and computes one token; a twin arriving with its leader
-    starts in the leader's step on its pages, computing its last token without writing it.
-    Outputs equal caching off in each layout and with live switches running meanwhile."""
+@pytest.mark.parametrize("share_last", [True, False], ids=["shared", "copied"])
+def test_fully_cached_prompts_compute_one_token(engine, share_last):
+    """A prompt whose every page is cached (page-aligned) computes one token: it shares every page
+    and reads its last token's cached latent (the default), or, as an MTP engine does, copies the
+    page of its last token on write. A twin arriving with its leader starts in the leader's step
+    on its pages, computing its last token without writing it. Outputs equal caching off in each
+    layout and with live switches running meanwhile."""
     size = engine.config.page_size
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, 200, k * size)] for k in (3, 2, 1)]
@@ -747,27 +749,36 @@ def test_fully_cached_prompts_copy_their_last_page_and_compute_one_token(engine)
     finally:
         engine.set_prefix_caching(True)
     devices = {"tp": N, "dp": 1, "dop": 1, "cp": 1}  # devices holding a request's last page
-    with count_compiles() as compiles:
-        for layout in LAYOUT_NAMES:
-            _settle_in(engine, layout)
-            followed = engine.stats()["prefix_cache"]["followed"]
-            first, _ = run(engine, None, None, prompts, arrivals, max_tokens)
-            copied = engine.stats()["prefix_cache"]["copied_pages"]
-            assert engine.stats()["prefix_cache"]["followed"] - followed == 1, layout  # the twin, in its leader's step
-            again, _ = run(engine, None, None, prompts, arrivals, max_tokens)
-            assert {i: o.token_ids for i, o in first.items()} == reference, layout
-            assert {i: o.token_ids for i, o in again.items()} == reference, layout
-            assert first[1].num_cached_tokens == len(prompts[1]) - 1, layout  # the twin, on its leader's pages
-            for i, o in again.items():
-                assert o.num_cached_tokens == len(prompts[i]) - 1, (layout, i, o.num_cached_tokens)
-            assert engine.stats()["prefix_cache"]["copied_pages"] - copied == len(prompts) * devices[layout], layout
-            engine.allocator.check_invariants()
-        copied = engine.stats()["prefix_cache"]["copied_pages"]  # the last layout's cache holds every prompt
-        switched, handles = run(engine, ["tp", "cp", "dop", "dp", "tp"], None, prompts, arrivals, [30] * 4)
+    copies = 0 if share_last else 1
+    engine.scheduler.share_last_cached_page = share_last
+    try:
+        with count_compiles() as compiles:
+            for layout in LAYOUT_NAMES:
+                _settle_in(engine, layout)
+                followed = engine.stats()["prefix_cache"]["followed"]
+                first, _ = run(engine, None, None, prompts, arrivals, max_tokens)
+                copied = engine.stats()["prefix_cache"]["copied_pages"]
+                assert engine.stats()["prefix_cache"]["followed"] - followed == 1, layout  # the twin, in its leader's step
+                again, _ = run(engine, None, None, prompts, arrivals, max_tokens)
+                assert {i: o.token_ids for i, o in first.items()} == reference, layout
+                assert {i: o.token_ids for i, o in again.items()} == reference, layout
+                assert first[1].num_cached_tokens == len(prompts[1]) - 1, layout  # the twin, on its leader's pages
+                for i, o in again.items():
+                    assert o.num_cached_tokens == len(prompts[i]) - 1, (layout, i, o.num_cached_tokens)
+                got = engine.stats()["prefix_cache"]["copied_pages"] - copied
+                assert got == copies * len(prompts) * devices[layout], layout
+                engine.allocator.check_invariants()
+            copied = engine.stats()["prefix_cache"]["copied_pages"]  # the last layout's cache holds every prompt
+            hits = engine.stats()["prefix_cache"]["hits"]
+            switched, handles = run(engine, ["tp", "cp", "dop", "dp", "tp"], None, prompts, arrivals, [30] * 4)
+    finally:
+        engine.scheduler.share_last_cached_page = True
     assert compiles.count == 0, compiles.events
     assert any(h.state == SwitchState.DONE for h in handles)
-    # the requests admitted before the first handoff copy their last page (later ones may find none cached)
-    assert engine.stats()["prefix_cache"]["copied_pages"] > copied
+    # the requests admitted before the first handoff find their prompt cached (later ones may not)
+    assert engine.stats()["prefix_cache"]["hits"] > hits
+    if not share_last:
+        assert engine.stats()["prefix_cache"]["copied_pages"] > copied
     for i, o in switched.items():
         assert o.token_ids[: max_tokens[i]] == reference[i], i
     assert engine.stats()["pages_used"] == 0

@@ -6,9 +6,11 @@
 1. A P-token prompt (4,096) runs once (computing and caching it), then the same prompt again
    (--repeats times, medians):
    its TTFT over the engine's decode step at batch 1 (the median interval between that request's
-   tokens), as `ttft_over_decode_step`. Admission finds every page cached: it copies the page of
-   the last token on write and computes that one token (before copy-on-write the whole last
-   page, 64 tokens, was computed again: 4.3 steps on one H200).
+   tokens), as `ttft_over_decode_step`. Admission finds every page cached and computes the last
+   token: by default it shares the page of that token and reads its cached latent (`shared`);
+   `copied` copies that page on write first, as an MTP engine does (--last-page picks; both are
+   timed in turn on one engine). Before copy-on-write the whole last page, 64 tokens, was computed
+   again: 4.3 steps on one H200.
 2. R requests (64) decoding with distinct 1K-token prompts: the scheduler's and the dispatch's
    host time per step (engine.last_step_ms) with caching on and off, in the same engine.
 Prints a table and writes JSON to benchmarks/results/.
@@ -39,6 +41,9 @@ class ProbeConfig:
     requests: int = 64  # decoding requests for the host-time part
     context: int = 1024  # their prompt tokens
     steps: int = 64  # decode steps timed per setting
+    # how a fully cached prompt treats the page of its last token, each timed in turn on one engine:
+    # shared (the default: read in place, nothing written) and/or copied (copy-on-write, as MTP engines do)
+    last_page: str = "shared,copied"
 
 
 def ids(rng, n, vocab):
@@ -98,24 +103,39 @@ def main(argv=None):
     prompt = ids(rng, c.prompt_tokens, engine.model_config.vocab_size)
     engine.set_prefix_caching(True)
     cold, _, _ = timed_request(engine, prompt, c.decode_tokens)
-    warm = [timed_request(engine, prompt, c.decode_tokens) for _ in range(max(c.repeats, 1))]
-    firsts = [w[0][0] for w in warm]
-    step = float(np.median([np.median(np.diff(w[0])) for w in warm]))
-    cached, phases = warm[-1][1], warm[-1][2]
-    ttft = {"cold_ttft_ms": cold[0] * 1e3, "cached_ttft_ms": float(np.median(firsts)) * 1e3, "cached_tokens": cached,
-            "decode_step_ms": step * 1e3, "ttft_over_decode_step": float(np.median(firsts)) / step,
-            "cached_ttft_ms_each": [round(f * 1e3, 3) for f in firsts],
-            "copied_pages": engine.stats()["prefix_cache"]["copied_pages"]}
-    log.info("host ms per phase of the cached request's steps up to its first token: %s", phases)
+    modes = c.last_page.split(",")
+    if not set(modes) <= {"shared", "copied"}:
+        raise SystemExit(f"--last-page takes shared and/or copied, got {c.last_page!r}")
+    warm = {m: [] for m in modes}
+    copied = {m: 0 for m in modes}
+    for _ in range(max(c.repeats, 1)):  # the modes interleaved, so drift falls on both
+        for m in modes:
+            engine.scheduler.share_last_cached_page = m == "shared"
+            before = engine.stats()["prefix_cache"]["copied_pages"]
+            warm[m].append(timed_request(engine, prompt, c.decode_tokens))
+            copied[m] += engine.stats()["prefix_cache"]["copied_pages"] - before
+    engine.scheduler.share_last_cached_page = True
+    rows, phases = [], {}
+    for m in modes:
+        firsts = [w[0][0] for w in warm[m]]
+        step = float(np.median([np.median(np.diff(w[0])) for w in warm[m]]))
+        phases[m] = warm[m][-1][2]
+        rows.append({"last_page": m, "cold_ttft_ms": cold[0] * 1e3, "cached_ttft_ms": float(np.median(firsts)) * 1e3,
+                     "cached_tokens": warm[m][-1][1], "decode_step_ms": step * 1e3,
+                     "ttft_over_decode_step": float(np.median(firsts)) / step,
+                     "cached_ttft_ms_each": [round(f * 1e3, 3) for f in firsts], "copied_pages": copied[m]})
+        log.info("%s: host ms per phase of the cached request's steps up to its first token: %s", m, phases[m])
+    ttft = rows[0]
     hosts = [host_times(engine, c, rng, on) for on in (False, True)] if c.requests else []
-    print(table([ttft], list(ttft)))
+    print(table(rows, [k for k in rows[0] if k != "cached_ttft_ms_each"]))
     if hosts:  # --requests 0: no host-time part
         print(table([{"caching": h["caching"], "running": h["running"], "schedule_p50": h["schedule_ms"]["p50"],
                       "schedule_p99": h["schedule_ms"]["p99"], "dispatch_p50": h["dispatch_ms"]["p50"],
                       "step_p50": h["step_ms"]["p50"]} for h in hosts],
                     ["caching", "running", "schedule_p50", "schedule_p99", "dispatch_p50", "step_p50"]))
     write_results("cached_ttft", {"config": dataclasses.asdict(c), "engine": dataclasses.asdict(config),
-                                  "ttft": ttft, "first_token_steps_host_ms": phases, "host": hosts})
+                                  "ttft": ttft, "ttft_by_last_page": rows, "first_token_steps_host_ms": phases,
+                                  "host": hosts})
 
 
 if __name__ == "__main__":

@@ -4,8 +4,12 @@ A part of `Scheduler` (engine/scheduler.py), which owns the state these methods 
 page tables, prefix cache, running and waiting requests). `Scheduler.schedule` calls `_admit` for
 each waiting request it considers:
   - the longest cached prefix of its known tokens is referenced (prefix_cache.PrefixCache), its
-    last token always computed; a cached page holding that token is copied on write
-    (`cached_start`, the copies run by the engine before the step: `take_page_copies`);
+    last token always computed (for its logits). When the cached pages hold that token too (a
+    repeated page-aligned prompt), the request shares every page and its first chunk reads that
+    token's cached latent without writing it (`ScheduledChunk.in_cached_page`); an MTP engine,
+    whose steps write a latent there that depends on the request's next token, copies that page
+    on write instead (`cached_start`; the engine runs the copies before the step:
+    `take_page_copies`);
   - a request whose next blocks another running request (the leader) computes waits for them, or,
     once the leader has scheduled them (this step or earlier), starts at once on the leader's
     pages (`in_flight_pages`, `_follow`): within a step every layer writes all tokens' latents
@@ -24,13 +28,15 @@ from splash_jax.engine.request import Request, Status
 from splash_jax.kv.allocator import pages_for_tokens
 
 
-def cached_start(hit_pages: int, num_tokens: int, page_size: int) -> tuple[int, int]:
+def cached_start(hit_pages: int, num_tokens: int, page_size: int, share_last: bool = True) -> tuple[int, int]:
     """(first position to compute, pages to share as they are) for a request whose first
-    hit_pages pages are cached. Its last token is always computed (for its logits): when the
-    cached pages cover it, the page holding it is copied on write (a private copy the request
-    writes that token and its next ones to), so a fully cached prompt computes one token."""
+    hit_pages pages are cached. Its last token is always computed (for its logits), so a fully
+    cached prompt computes one token. When the cached pages cover that token, the request shares
+    the page holding it (share_last: its latent is read from there, not written; its next tokens
+    start a new page, the prompt being page-aligned), or, without share_last, that page is copied
+    on write (a private copy the request writes that token and its next ones to)."""
     computed = min(hit_pages * page_size, num_tokens - 1)
-    return computed, min(hit_pages, computed // page_size)
+    return computed, hit_pages if share_last else min(hit_pages, computed // page_size)
 
 
 def in_flight_pages(chain: list, hit: int, page_size: int) -> int:
@@ -64,7 +70,7 @@ class Admission:
         """Admit `request` with its cached prefix: the tokens of its first chunk, 0 if it waits for
         a block another request is computing, None if it does not fit now (nothing changed).
         Some compute their whole prompt (Request.computes_whole_prompt). A cached page that holds
-        its last token is copied on write (`cached_start`)."""
+        its last token is shared (read, not written) or copied on write (`cached_start`)."""
         cache, size = self.cache, self.page_size
         if budget <= 0 and (cache is None or request.computes_whole_prompt or request.num_tokens % size):
             return None  # without budget only a follower of a whole (page-aligned) prompt may start
@@ -83,7 +89,7 @@ class Admission:
             request.owner = self.least_loaded_device()
         if budget <= 0:  # not a follower after all
             return None
-        computed, shared = cached_start(hit, request.num_tokens, size)
+        computed, shared = cached_start(hit, request.num_tokens, size, self.share_last_cached_page)
         remaining = request.num_tokens - computed
         n = cap_to_rows(request, computed, min(remaining, budget), rows)
         if not self.enable_chunked_prefill and n < remaining:
@@ -108,6 +114,7 @@ class Admission:
             self.page_copies += [(src, request.device_pages[d][entry]) for d, src in sources.items()]
             request.cache_nodes.append(chain[shared])  # the private copy holds that node's tokens
             cache.stats.copied_pages += len(sources)
+        request.last_token_cached = shared * size > computed  # its one token's latent is in a page it shares
         return self._start(request, computed, chain, hit, n)
 
     def _follow(self, request: Request, chain: list, shared: int, budget: int, rows: int) -> int | None:
@@ -169,7 +176,7 @@ class Admission:
         if not chain:
             return 0
         hit = self.cache.hits(chain, self.placement, self.choose_owner(chain, request))
-        return cached_start(hit, request.num_tokens, self.page_size)[0]
+        return cached_start(hit, request.num_tokens, self.page_size)[0]  # (the same either way)
 
     def choose_owner(self, chain: list, request: Request | None = None) -> int:
         """Owner of a request whose cached prefix is `chain`. Under an owner-bound placement: among

@@ -191,6 +191,7 @@ class EngineCore(DeviceSteps, SpeculationControl):
 
             self.executor.mtp_hidden = True  # the step programs also return the hidden states
             self.mtp = MtpDraftRunner(self.executor, k, config.page_size, dtype)
+            self.scheduler.share_last_cached_page = False  # its steps write an MTP latent there: copy on write
             self.mtp_drafter.runner = self.mtp  # drafts behind a step in flight stay on the device
         if config.warmup:  # with switching, every layout's steps: a switch must never compile
             self.executor.compile_all(layouts, moving=config.enable_switching, threads=config.compile_threads)

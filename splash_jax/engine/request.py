@@ -184,6 +184,7 @@ class Request:
     cache_computing: list = dataclasses.field(default_factory=list)  # cache nodes it is filling (others wait)
     num_cacheable: int = 0  # tokens whose latents dispatched steps wrote (what the cache may name)
     follows: "Request | None" = None  # admitted onto a leader's pages whose write of its last token it reads (admission.py)
+    last_token_cached: bool = False  # admitted with every token's latent cached: its first chunk writes none (admission.py)
     admissions: int = 0  # times admitted (a preempted request is admitted again)
     cacheable: bool = True  # False: its pages hold no real latents (benchmarks' admit_cached)
     grammar: object = None  # llguidance.LLMatcher of params.structured_outputs, advanced as tokens reach the host

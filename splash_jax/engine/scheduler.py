@@ -29,7 +29,7 @@ token sampled past a stop is never shown. Stop strings need text: the engine cal
 
 With a prefix cache (kv/prefix_cache.py), admission (engine/admission.py) references the longest
 cached prefix of the request's known tokens instead of computing it (its last token is always
-computed; a cached page holding it is copied on write); under owner layouts the owner is the
+computed: a cached page holding it is shared without writing it, or copied on write); under owner layouts the owner is the
 device holding the longest prefix unless its load exceeds the least loaded device's by
 `balance_pages`. A request whose next block another running request is computing starts on that
 request's pages once it has scheduled them (in the same step), or waits (later requests may pass
@@ -71,6 +71,10 @@ class ScheduledChunk:
     # (engine/admission.py) and writes its latent; this chunk takes no token slot and its logits
     # row reads the leader's slot there (the same tokens on the same pages: the same logits).
     leader: Request | None = None
+    # A fully cached page-aligned prompt's last token (engine/admission.py): its latent is already
+    # in the cached page the request shares, so the step reads it there and its write is dropped
+    # (a page several requests reference is never written).
+    in_cached_page: bool = False
     # An ahead chunk (overlapped speculation): scheduled behind a verify chunk of shift_k drafts
     # whose step is still on the device, as if it kept none; variants[a] are its drafts if it
     # keeps a. The device moves it a positions on (speculative_inputs.shift_ahead); the host does the
@@ -81,7 +85,7 @@ class ScheduledChunk:
 
     @property
     def writes(self) -> bool:
-        return self.leader is None
+        return self.leader is None and not self.in_cached_page
 
     @property
     def num_slots(self) -> int:
@@ -178,6 +182,10 @@ class Scheduler(Admission, SpeculativeScheduling):
         self.cache_stats = CacheStats()
         self.cache: PrefixCache | None = PrefixCache(allocator, self.cache_stats) if enable_prefix_caching else None
         self.page_copies: list[tuple[int, int]] = []  # copy-on-write copies for the next step (take_page_copies)
+        # A fully cached page-aligned prompt shares the page of its last token (its step reads that
+        # latent, writes nothing). False (the engine sets it for MTP, whose steps write a latent
+        # there that depends on the request's next token): that page is copied on write.
+        self.share_last_cached_page = True
         self.step_chunks: list[ScheduledChunk] = []  # the chunks of the step being scheduled
 
     def set_prefix_caching(self, enabled: bool) -> None:
@@ -321,8 +329,9 @@ class Scheduler(Admission, SpeculativeScheduling):
     def _take(self, request: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed
         chunk = ScheduledChunk(request, start, n, start + n - len(drafts) == request.num_tokens, drafts=drafts,
-                               leader=request.follows, admission=request.admissions)
-        request.follows = None
+                               leader=request.follows, in_cached_page=request.last_token_cached,
+                               admission=request.admissions)
+        request.follows, request.last_token_cached = None, False
         if chunk.samples:
             request.unapplied.append(chunk)
         request.num_unverified = len(drafts)
@@ -380,7 +389,7 @@ class Scheduler(Admission, SpeculativeScheduling):
             self.allocator.free(pages)
         request.device_pages = []  # (its unapplied chunks stay listed: their tokens still apply, moving nothing)
         request.num_computed = request.num_cacheable = request.num_unverified = 0
-        request.follows = None
+        request.follows, request.last_token_cached = None, False
         if request.slot >= 0:
             self.tables.clear(request.slot)
             self._free_slots.append(request.slot)

@@ -396,7 +396,7 @@ def pack_step(
     token_request[dev_of, ls_of] = lrow[c_of]
     write_offset[dev_of, ls_of] = p_of % page_size
     m = min(shape.pages, tables.m)
-    writes = np.fromiter((c.writes for c in chunks), bool, num)  # a follower's last token: its leader writes it
+    writes = np.fromiter((c.writes for c in chunks), bool, num)  # a follower's last token (its leader writes it), a cached one
     for seg in range(g):
         local = tables.local_of[dev_of, seg, s_of, j]
         held = local >= 0
@@ -415,8 +415,10 @@ def pack_step(
         ahead, var_pages = pack_ahead(shape, chunks, tables, row, nrows, base, owners)
         per_device.update(var_pages)
     if shape.expanded:
-        per_device["prefill_span"] = prefill_spans(
-            n, lengths, starts, lslot, owners if shape.owner_rows else None, span_min_tokens, shape.spans, tq)
+        # A chunk that writes no latent (its token's is already in a shared page) stays absorbed:
+        # the expanded form takes a chunk's own keys from the step, not the pool.
+        per_device["prefill_span"] = prefill_spans(n, np.where(writes, lengths, 0), starts, lslot,
+                                                   owners if shape.owner_rows else None, span_min_tokens, shape.spans, tq)
     if shape.mtp_next:
         ahead["m_tokens"], ahead["m_src"] = next_tokens(chunks, base, row, t_total)
     rep = shape.replicated_spec().pack({
