@@ -89,19 +89,24 @@ async def rounds(base: str, texts: list[str], max_tokens: int, count: int) -> li
         return out[1:]
 
 
+def spec_metrics(base: str) -> dict[str, float]:
+    """The server's splash_spec_* Prometheus samples (the draft budget's levels and rates included)."""
+    text = httpx.get(base + "/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("splash_spec") and len(line.split()) == 2}
+
+
 def serve_cells(args, server_args: str, cells: list[tuple[str, int, list[str]]]) -> dict:
-    """(workload, streams) -> (median TPOT s, token ids of the last round, speculative metrics)."""
+    """(workload, streams) -> (median TPOT s, token ids of the last round, speculative metrics
+    after the cell)."""
     out = {}
     with launched_server(server_args, args.ready_timeout) as base:
         for workload, streams, texts in cells:
             got = asyncio.run(rounds(base, texts, args.max_tokens, args.rounds))
             tpots = [s.tpot for r in got for s in r if s.tpot is not None]
-            out[(workload, streams)] = (float(np.median(tpots)), [s.token_ids for s in got[-1]])
+            out[(workload, streams)] = (float(np.median(tpots)), [s.token_ids for s in got[-1]], spec_metrics(base))
             log.info("%s %s streams %d: TPOT p50 %.3f ms", server_args, workload, streams, out[(workload, streams)][0] * 1e3)
-        metrics = httpx.get(base + "/metrics").text
-    spec = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-            if line.startswith("splash_spec") and len(line.split()) == 2}
-    return {"cells": out, "spec_metrics": spec}
+    return {"cells": out, "spec_metrics": out[(workload, streams)][2]}
 
 
 def main(argv=None):
@@ -132,8 +137,8 @@ def main(argv=None):
         engine.set_speculative("off")
         speculative.run(engine, texts, 8)  # first runs of this batch's buckets
         c = speculative.cell(engine, engine, "ngram", args.drafts, texts, bench)
-        tpot_off, ids_off = off["cells"][(workload, s)]
-        tpot_on, ids_on = ngram["cells"][(workload, s)]
+        tpot_off, ids_off, _ = off["cells"][(workload, s)]
+        tpot_on, ids_on, metrics_on = ngram["cells"][(workload, s)]
         server = tpot_off / tpot_on
         rows.append({
             "workload": workload, "streams": s, "batch": s, "K": args.drafts,
@@ -145,6 +150,8 @@ def main(argv=None):
             "engine_outputs_equal_server": [o.token_ids for o in c.outs] == ids_off,
             "engine_off_seconds": c.offs, "engine_on_seconds": c.ons,
             "mean_k": (c.spec.get("adaptive") or {}).get("mean_k"),
+            "engine_budget": c.spec.get("adaptive"),  # the engine's draft budget after the cell
+            "server_spec_metrics": metrics_on,  # the n-gram server's after the cell (levels and rates by batch)
         })
     print(table(rows, ["workload", "streams", "acceptance", "engine_speedup", "engine_tpot_speedup", "tpot_off_ms",
                        "tpot_ngram_ms", "server_speedup", "server_over_engine", "server_over_engine_tpot",

@@ -123,9 +123,15 @@ class EngineStatsCollector(Collector):
         level = GaugeMetricFamily("splash_spec_decode_draft_level",
                                   "Drafts per request the budget runs at each batch-size bucket (its smallest batch)",
                                   labels=["batch"])
+        rates = GaugeMetricFamily("splash_spec_decode_level_tokens_per_second",
+                                  "Output tokens per second the budget measured at each level (drafts per request) "
+                                  "and batch-size bucket: what it picks the level by", labels=["batch", "level"])
         for batch, bucket in (adaptive.get("by_batch") or {}).items():
             level.add_metric([str(batch)], float(bucket["level"]))
+            for lv, rate in bucket["tokens_per_s_by_level"].items():
+                rates.add_metric([str(batch), str(lv)], float(rate))
         yield level
+        yield rates
         switch = s.get("switch") or {}
         yield _gauge("splash_layout_switch_in_progress", "1 while a layout switch migrates", float(bool(switch)))
         yield _gauge("splash_layout_switch_progress", "Fraction of the switch's pages copied", float(switch.get("progress", 0.0)))

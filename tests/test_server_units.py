@@ -597,10 +597,13 @@ def test_speculative_decoding_metrics_come_from_the_engine_stats():
     assert values["splash_spec_decode_verify_chunks_total"] == 10
     assert values["splash_spec_decode_draft_tokens_total"] == 27 and values["splash_spec_decode_accepted_tokens_total"] == 15
     assert 'splash_spec_decode_accepted_per_step_total{accepted="2"} 4.0' in text
-    stats["speculative"]["adaptive"] = {"mean_k": 1.25, "by_batch": {1: {"level": 3}, 64: {"level": 0}}}
+    stats["speculative"]["adaptive"] = {"mean_k": 1.25, "by_batch": {
+        1: {"level": 3, "tokens_per_s_by_level": {0: 900.5, 3: 2400.0}}, 64: {"level": 0, "tokens_per_s_by_level": {}}}}
     text = metrics.render().decode()
     assert _metric_values(text)["splash_spec_decode_mean_drafts"] == 1.25
     assert 'splash_spec_decode_draft_level{batch="1"} 3.0' in text and 'splash_spec_decode_draft_level{batch="64"} 0.0' in text
+    assert 'splash_spec_decode_level_tokens_per_second{batch="1",level="0"} 900.5' in text
+    assert 'splash_spec_decode_level_tokens_per_second{batch="1",level="3"} 2400.0' in text
 
 
 def test_prefix_cache_metrics_on_the_server():
