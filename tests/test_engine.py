@@ -149,6 +149,8 @@ def test_prefix_caching_under_preemption_and_eviction_matches_model_alone(small_
         ("ok", SamplingParams(top_p=0.0), "top_p"),
         ("ok", SamplingParams(top_k=-5), "top_k"),
         ([99999], SamplingParams(), "outside the vocabulary"),
+        ([5, -3], SamplingParams(), "prompt token id -3 is outside the vocabulary"),
+        ([5, "x"], SamplingParams(), "prompt token ids must be integers"),
     ],
 )
 def test_bad_request_fails_alone(engine, reference, prompt, params, message):
