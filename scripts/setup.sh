@@ -56,6 +56,14 @@ PY
     echo "installing $libtpu_req (compile-only) into .venv/libtpu" >&2
     rm -rf .venv/libtpu
     .venv/bin/python -m pip install -q --no-deps --target .venv/libtpu "$libtpu_req" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    if [ ! -f .venv/libtpu/libtpu/libtpu.so ]; then
+      # A new jax can pin a libtpu not yet on the index (jax 0.12.1 -> libtpu 0.0.53 on 2026-12-06):
+      # take the newest one before it (0.0.52 compiled every TPU test with jax 0.12.1).
+      libtpu_base=$(echo "$libtpu_req" | sed -e 's/^libtpu==//' -e 's/\.\*$//')
+      echo "$libtpu_req is not available; installing the newest libtpu<=$libtpu_base instead" >&2
+      rm -rf .venv/libtpu
+      .venv/bin/python -m pip install -q --no-deps --target .venv/libtpu "libtpu<=$libtpu_base" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    fi
     [ -f .venv/libtpu/libtpu/libtpu.so ] || { echo "libtpu installation failed" >&2; exit 1; }
     echo "$libtpu_req" > "$libtpu_stamp"
   fi
