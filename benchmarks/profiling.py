@@ -33,7 +33,7 @@ class BusyProfile:
     top: list[tuple[str, float, float]]  # (kernel name, us per step, launches per step)
 
 
-def _union_ns(intervals: list[tuple[int, int]]) -> int:
+def union_ns(intervals: list[tuple[int, int]]) -> int:
     total, end = 0, None
     for a, b in sorted(intervals):
         if end is None or a > end:
@@ -43,6 +43,35 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
             total += b - end
             end = b
     return total
+
+
+def timeline(fn, marks: str = "probe:") -> tuple[list[tuple[str, int, int]], list[tuple[int, int]]]:
+    """Run fn() once under the profiler; return the host annotations whose names start with `marks`
+    (name, start ns, end ns; `jax.profiler.TraceAnnotation`) and every GPU kernel (start ns, end ns),
+    on the profiler's one clock, so host phases and device work can be set side by side."""
+    jax.effects_barrier()
+    folder = tempfile.mkdtemp(prefix="splash-prof-")
+    try:
+        with jax.profiler.trace(folder):
+            fn()
+            jax.effects_barrier()
+        files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(files[0])
+        host, kernels = [], []
+        for plane in data.planes:
+            gpu = "gpu" in plane.name.lower()
+            for line in plane.lines:
+                if gpu and "stream" not in line.name.lower():
+                    continue
+                for ev in line.events:
+                    start = int(ev.start_ns)
+                    if gpu:
+                        kernels.append((start, start + int(ev.duration_ns)))
+                    elif ev.name.startswith(marks):
+                        host.append((ev.name, start, start + int(ev.duration_ns)))
+        return sorted(host, key=lambda e: e[1]), sorted(kernels)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def device_busy(fn, steps: int, sync=None, top: int = 8) -> BusyProfile:
@@ -74,7 +103,7 @@ def device_busy(fn, steps: int, sync=None, top: int = 8) -> BusyProfile:
                     names[ev.name[:80]] += ev.duration_ns
                     launches[ev.name[:80]] += 1
                     count += 1
-        busy = _union_ns(intervals) / steps / 1e6 if found else None
+        busy = union_ns(intervals) / steps / 1e6 if found else None
         if intervals:
             span_s = (max(b for _, b in intervals) - min(a for a, _ in intervals)) / 1e9
             if span_s < TRUNCATED_SPAN * window:

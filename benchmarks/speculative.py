@@ -122,6 +122,8 @@ class Cell:
     ons: list[float]  # on seconds per pair
     full: float | None  # ratio of the full-batch rates
     tpot: float | None  # off's median request TPOT over this method's
+    tpot_off: float | None = None  # off's median request TPOT (median over the pairs), seconds
+    tpot_on: float | None = None  # this method's
 
 
 def median_tpot(outs) -> float | None:
@@ -176,7 +178,13 @@ def cell(engine: Engine, base_engine: Engine, method: str, k: int, texts: list[s
                 float(np.median([r.seconds for r in ons])), ons[-1].outs, spec,
                 [r.seconds for r in offs], [r.seconds for r in ons],
                 _median_ratio((b.full, a.full) for a, b in zip(offs, ons)),
-                _median_ratio((a.tpot, b.tpot) for a, b in zip(offs, ons)))
+                _median_ratio((a.tpot, b.tpot) for a, b in zip(offs, ons)),
+                _median([r.tpot for r in offs]), _median([r.tpot for r in ons]))
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
 
 
 def main(argv=None):

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from benchmarks.common import parse_engine_and_bench, percentiles, table, write_results
+from benchmarks.profiling import timeline, union_ns
 from benchmarks.shapes import shape_folder
 from splash_jax.engine import Engine, SamplingParams
 
@@ -44,6 +45,9 @@ class ProbeConfig:
     # how a fully cached prompt treats the page of its last token, each timed in turn on one engine:
     # shared (the default: read in place, nothing written) and/or copied (copy-on-write, as MTP engines do)
     last_page: str = "shared,copied"
+    # one more cached request (the first mode) under the profiler: where its first step's time goes,
+    # host phases beside the GPU's kernels (`first_step_trace` in the JSON)
+    trace: bool = False
 
 
 def ids(rng, n, vocab):
@@ -69,6 +73,58 @@ def timed_request(engine, prompt, max_tokens):
     if not times:
         raise RuntimeError("the probe's request returned no token")
     return times, cached, phases
+
+
+def annotated(obj, name: str, label: str):
+    """Wrap obj.name in a profiler annotation `probe:label` (an instance attribute; undone by delattr)."""
+    import jax
+    fn = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        with jax.profiler.TraceAnnotation("probe:" + label):
+            return fn(*args, **kwargs)
+    setattr(obj, name, wrapped)
+    return lambda: delattr(obj, name)
+
+
+def first_step_trace(engine, prompt, max_tokens) -> dict:
+    """One cached request under the profiler: for its first step and for its later decode steps, ms
+    from the step's dispatch start to its first kernel, the kernels' span and busy time, and from the
+    last kernel's end to the return of the step() call that read the tokens."""
+    undo = [annotated(engine, "add_request", "add_request"), annotated(engine, "_dispatch", "dispatch"),
+            annotated(engine.scheduler, "schedule", "schedule"), annotated(engine.executor, "run", "run"),
+            annotated(engine, "step", "step")]
+    try:
+        host, kernels = timeline(lambda: timed_request(engine, prompt, max_tokens))
+    finally:
+        for u in undo:
+            u()
+    dispatches = [e for e in host if e[0] == "probe:dispatch"]
+    steps = [e for e in host if e[0] == "probe:step"]
+    runs = [e for e in host if e[0] == "probe:run"]
+    adds = [e for e in host if e[0] == "probe:add_request"]
+    rows = []
+    for i, (_, d0, d1) in enumerate(dispatches):
+        nxt = dispatches[i + 1][1] if i + 1 < len(dispatches) else float("inf")
+        ks = [k for k in kernels if d0 <= k[0] < nxt]
+        if not ks:
+            continue
+        first, last = ks[0][0], max(b for _, b in ks)
+        busy = union_ns(ks)
+        run = next((r for r in runs if d0 <= r[1] <= d1), None)
+        read = next((s for s in steps if s[2] >= last), None)  # the step() call that returned after its last kernel
+        rows.append({"dispatch_ms": (d1 - d0) / 1e6, "program_call_ms": (run[2] - run[1]) / 1e6 if run else None,
+                     "dispatch_start_to_first_kernel_ms": (first - d0) / 1e6,
+                     "call_start_to_first_kernel_ms": (first - run[1]) / 1e6 if run else None,
+                     "kernel_span_ms": (last - first) / 1e6, "gpu_busy_ms": busy / 1e6, "kernels": len(ks),
+                     "last_kernel_to_return_ms": (read[2] - last) / 1e6 if read else None})
+    out = {"add_request_ms": (adds[0][2] - adds[0][1]) / 1e6 if adds else None,
+           "add_request_end_to_first_dispatch_ms": (dispatches[0][1] - adds[0][2]) / 1e6 if adds and dispatches else None,
+           "first_step": rows[0] if rows else None,
+           "decode_steps_median": {k: float(np.median([r[k] for r in rows[2:]])) for k in rows[0]
+                                   if all(r[k] is not None for r in rows[2:])} if len(rows) > 3 else None}
+    log.info("first step under the profiler: %s", out)
+    return out
 
 
 def host_times(engine, c, rng, caching: bool):
@@ -114,6 +170,8 @@ def main(argv=None):
             before = engine.stats()["prefix_cache"]["copied_pages"]
             warm[m].append(timed_request(engine, prompt, c.decode_tokens))
             copied[m] += engine.stats()["prefix_cache"]["copied_pages"] - before
+    engine.scheduler.share_last_cached_page = modes[0] == "shared"
+    traced = first_step_trace(engine, prompt, c.decode_tokens) if c.trace else None
     engine.scheduler.share_last_cached_page = True
     rows, phases = [], {}
     for m in modes:
@@ -135,6 +193,7 @@ def main(argv=None):
                     ["caching", "running", "schedule_p50", "schedule_p99", "dispatch_p50", "step_p50"]))
     write_results("cached_ttft", {"config": dataclasses.asdict(c), "engine": dataclasses.asdict(config),
                                   "ttft": ttft, "ttft_by_last_page": rows, "first_token_steps_host_ms": phases,
+                                  "first_step_trace": traced,
                                   "host": hosts})
 
 
