@@ -475,3 +475,17 @@ def test_a_follower_whose_leader_cannot_be_packed_is_preempted_not_run():
     run_until_idle(sched)  # it computes its prompt itself and finishes
     assert follower.finish_reason == "length" and len(follower.output_ids) == 3
     assert a.num_referenced() == 0
+
+
+@pytest.mark.parametrize("placement", [REPLICATED, OWNER, STRIPED], ids=lambda p: p.name)
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_devices_of_every_page_is_devices_of_page_for_each_page_or_none(placement, n):
+    """The shortcut the cache's page loops take (one device lookup per request, not per page) names
+    exactly the devices devices_of_page names for every page index, or declines."""
+    for owner in range(n):
+        every = placement.devices_of_every_page(owner, n)
+        per_page = {placement.devices_of_page(j, owner, n) for j in range(3 * n + 2)}
+        if every is None:
+            assert len(per_page) > 1  # declines only where pages differ
+        else:
+            assert per_page == {every}

@@ -26,6 +26,12 @@ class Placement:
         """Devices that must hold page index j of a request owned by `owner`."""
         raise NotImplementedError
 
+    def devices_of_every_page(self, owner: int, n: int) -> tuple[int, ...] | None:
+        """The devices that hold every page of a request owned by `owner`, when they are the same for
+        all its pages (devices_of_page without the page index), else None. Loops over a long
+        prefix's pages use it to look up the devices once (a 32K-token prompt has 512 pages)."""
+        return None
+
     def page_mask(self, js: np.ndarray, owner, n: int) -> np.ndarray:
         """[len(js), n] bool: which devices must hold each page index in `js` (devices_of_page for
         many pages at once; `owner`: one, or one per page index)."""
@@ -81,6 +87,9 @@ class Replicated(Placement):
     def devices_of_page(self, j, owner, n):
         return tuple(range(n))
 
+    def devices_of_every_page(self, owner, n):
+        return tuple(range(n))
+
     def page_mask(self, js, owner, n):
         return np.ones((len(js), n), bool)
 
@@ -99,6 +108,9 @@ class Replicated(Placement):
 
 class Owner(Placement):
     def devices_of_page(self, j, owner, n):
+        return (owner,)
+
+    def devices_of_every_page(self, owner, n):
         return (owner,)
 
     @property
@@ -124,6 +136,9 @@ class Owner(Placement):
 class Striped(Placement):
     def devices_of_page(self, j, owner, n):
         return (j % n,)
+
+    def devices_of_every_page(self, owner, n):
+        return (0,) if n == 1 else None
 
     def page_mask(self, js, owner, n):
         js = np.asarray(js)

@@ -72,18 +72,30 @@ class PrefixCache:
         out: list[Node] = []
         size = self.page_size
         limit = min(max_pages, request.num_known // size)
-        while node is not None and len(out) < limit:
-            j = len(out)
-            node = node.children.get(tuple(request.token_slice(j * size, (j + 1) * size)))
+        prompt = request.prompt_ids
+        in_prompt = min(limit, len(prompt) // size)  # pages of prompt tokens alone: sliced directly
+        for j in range(limit):
+            if node is None:
+                break
+            key = prompt[j * size:(j + 1) * size] if j < in_prompt else request.token_slice(j * size, (j + 1) * size)
+            node = node.children.get(tuple(key))
             if node is not None:
                 out.append(node)
         return out
 
     def hits(self, chain: list[Node], placement: Placement, owner: int) -> int:
         """Leading nodes of `chain` cached on every device `placement` needs them on."""
+        devices = placement.devices_of_every_page(owner, self.n)
+        if devices is None:
+            for j, node in enumerate(chain):
+                if not node.has(placement.devices_of_page(j, owner, self.n)):
+                    return j
+            return len(chain)
         for j, node in enumerate(chain):
-            if not node.has(placement.devices_of_page(j, owner, self.n)):
-                return j
+            pages = node.pages
+            for d in devices:
+                if d not in pages:
+                    return j
         return len(chain)
 
     def waits_for(self, chain: list[Node], hit: int, request) -> bool:
@@ -98,9 +110,14 @@ class PrefixCache:
     def take(self, request, chain: list[Node], hit: int, placement: Placement) -> list[list[int]]:
         """Reference the first `hit` nodes' pages for `request` (owner set): its device lists."""
         lists: list[list[int]] = [[] for _ in range(self.n)]
-        for j, node in enumerate(chain[:hit]):
-            for d in placement.devices_of_page(j, request.owner, self.n):
-                lists[d].append(node.pages[d])
+        devices = placement.devices_of_every_page(request.owner, self.n)
+        if devices is None:
+            for j, node in enumerate(chain[:hit]):
+                for d in placement.devices_of_page(j, request.owner, self.n):
+                    lists[d].append(node.pages[d])
+        else:
+            for d in devices:
+                lists[d] = [node.pages[d] for node in chain[:hit]]
         self.allocator.ref([p for pages in lists for p in pages])
         request.cache_nodes = list(chain[:hit])
         return lists
