@@ -151,6 +151,9 @@ def test_prefix_caching_under_preemption_and_eviction_matches_model_alone(small_
         ([99999], SamplingParams(), "outside the vocabulary"),
         ([5, -3], SamplingParams(), "prompt token id -3 is outside the vocabulary"),
         ([5, "x"], SamplingParams(), "prompt token ids must be integers"),
+        ([5, 1.5], SamplingParams(), "prompt token ids must be integers, got float 1.5"),  # never truncated to 1
+        ([5, "3"], SamplingParams(), "prompt token ids must be integers, got str '3'"),
+        ([5, 2**70], SamplingParams(), "outside the vocabulary"),
     ],
 )
 def test_bad_request_fails_alone(engine, reference, prompt, params, message):

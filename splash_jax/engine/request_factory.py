@@ -56,6 +56,18 @@ class EngineFacts:
         )
 
 
+def _integer_ids(values: list, vocab_size: int) -> np.ndarray:
+    """Token ids numpy did not read as integers: raise naming the first that is not one (a float is
+    never truncated, a string never parsed), or the first outside the vocabulary (past int64)."""
+    for t in values:
+        if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
+            raise RequestError(f"prompt token ids must be integers, got {type(t).__name__} {t!r}", "prompt")
+    bad = next((t for t in values if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})", "prompt")
+    return np.asarray(values, np.int64)
+
+
 class RequestFactory:
     """Builds validated Requests (thread-safe: the server calls it from its tokenizer threads)."""
 
@@ -101,11 +113,13 @@ class RequestFactory:
             text = prompt
         else:  # token ids, checked as one array (a 4K prompt: ~0.2 ms against ~0.9 ms token by token)
             try:
-                arr = np.asarray(prompt, dtype=np.int64)
-            except (TypeError, ValueError, OverflowError) as e:
-                raise RequestError(f"prompt token ids must be integers ({e})", "prompt") from None
+                arr = np.asarray(prompt)  # no dtype asked: 1.5 or "3" must not become 1 or 3
+            except (TypeError, ValueError) as e:
+                raise RequestError(f"prompt token ids must be a flat list of integers ({e})", "prompt") from None
             if arr.ndim != 1:
                 raise RequestError(f"prompt token ids must be a flat list, got shape {arr.shape}", "prompt")
+            if arr.size and arr.dtype.kind not in "iu":
+                arr = _integer_ids(list(prompt), f.vocab_size)
             if arr.size and (arr.min() < 0 or arr.max() >= f.vocab_size):
                 bad = int(arr[(arr < 0) | (arr >= f.vocab_size)][0])
                 raise RequestError(f"prompt token id {bad} is outside the vocabulary (size {f.vocab_size})", "prompt")
