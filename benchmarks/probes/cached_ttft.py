@@ -11,6 +11,8 @@
    `copied` copies that page on write first, as an MTP engine does (--last-page picks; both are
    timed in turn on one engine). Before copy-on-write the whole last page, 64 tokens, was computed
    again: 4.3 steps on one H200.
+   --trace: one more such request under the profiler, its first step's host phases (add_request,
+   schedule, dispatch, the program's call) beside its GPU kernels (`first_step_trace`).
 2. R requests (64) decoding with distinct 1K-token prompts: the scheduler's and the dispatch's
    host time per step (engine.last_step_ms) with caching on and off, in the same engine.
 Prints a table and writes JSON to benchmarks/results/.
@@ -22,6 +24,7 @@ import dataclasses
 import logging
 import time
 
+import jax
 import numpy as np
 
 from benchmarks.common import parse_engine_and_bench, percentiles, table, write_results
@@ -77,7 +80,6 @@ def timed_request(engine, prompt, max_tokens):
 
 def annotated(obj, name: str, label: str):
     """Wrap obj.name in a profiler annotation `probe:label` (an instance attribute; undone by delattr)."""
-    import jax
     fn = getattr(obj, name)
 
     def wrapped(*args, **kwargs):
