@@ -113,16 +113,14 @@ class PageAllocator:
             device, local = np.where(base, device, extra_device), np.where(base, local, extra_local)
         return device, (~base).astype(np.int64), local
 
-    def _evictables(self, pages: np.ndarray, apply) -> None:
-        """apply(lru, page list) for each (device, segment) LRU of `pages` (in their order): one
-        numpy pass to group them instead of a lookup per page (a 32K-token prefix has 512)."""
+    def _lrus_of(self, pages: np.ndarray):
+        """(LRU of a (device, segment), its pages of `pages` in order): grouped in one numpy pass
+        instead of a lookup per page (a 32K-token prefix has 512)."""
         device, segment, _ = self.locate(pages)
         group = device * 2 + segment
         if (group == group[0]).all():
-            apply(self._evictable[int(group[0])], pages.tolist())
-            return
-        for g in np.unique(group).tolist():
-            apply(self._evictable[g], pages[group == g].tolist())
+            return [(self._evictable[int(group[0])], pages.tolist())]
+        return [(self._evictable[g], pages[group == g].tolist()) for g in np.unique(group).tolist()]
 
     def _where(self, page: int) -> int:
         """(device * 2 + segment) of one page."""
@@ -197,7 +195,9 @@ class PageAllocator:
         if (~self._cached[revived]).any():
             raise RuntimeError(f"page {int(revived[~self._cached[revived]][0])} is free: it has no holder to share it with")
         if len(revived):
-            self._evictables(revived, lambda lru, ps: [lru.pop(p, None) for p in ps])
+            for lru, ps in self._lrus_of(revived):
+                for p in ps:
+                    lru.pop(p, None)
         np.add.at(self._refs, pages, 1)
 
     def free(self, pages) -> None:
@@ -216,7 +216,8 @@ class PageAllocator:
             done = done[np.sort(first)]
         cached = self._cached[done]
         if cached.any():
-            self._evictables(done[cached], lambda lru, ps: lru.update(dict.fromkeys(ps)))
+            for lru, ps in self._lrus_of(done[cached]):
+                lru.update(dict.fromkeys(ps))  # in order, as lru[p] = None page by page
             done = done[~cached]
         if len(done) == 0:
             return

@@ -72,13 +72,9 @@ class PrefixCache:
         out: list[Node] = []
         size = self.page_size
         limit = min(max_pages, request.num_known // size)
-        prompt = request.prompt_ids
-        in_prompt = min(limit, len(prompt) // size)  # pages of prompt tokens alone: sliced directly
-        for j in range(limit):
-            if node is None:
-                break
-            key = prompt[j * size:(j + 1) * size] if j < in_prompt else request.token_slice(j * size, (j + 1) * size)
-            node = node.children.get(tuple(key))
+        while node is not None and len(out) < limit:
+            j = len(out)
+            node = node.children.get(tuple(request.token_slice(j * size, (j + 1) * size)))
             if node is not None:
                 out.append(node)
         return out
