@@ -295,13 +295,16 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched_server(server_args: str, ready_timeout: float) -> Iterator[str]:
-    """`python -m serve.main` on a free local port until the block ends; its log in a temp file."""
+def launched_server(server_args: str, ready_timeout: float, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`python -m serve.main` on a free local port until the block ends; its log in a temp file.
+    env: variables set for the server beside this process's (XLA_PYTHON_CLIENT_MEM_FRACTION for two
+    servers sharing a GPU)."""
     port = _free_port()
     log_file = tempfile.NamedTemporaryFile("w", prefix="serve_", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "serve.main", "--port", str(port), "--no-access-log", *shlex.split(server_args)]
     log.info("starting %s (log: %s)", " ".join(cmd), log_file.name)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
+                            env={**os.environ, **env} if env else None)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout

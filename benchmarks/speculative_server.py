@@ -7,11 +7,15 @@ and 8 streams, beside the engine's own speedup on the same requests, in one run.
 For each workload (benchmarks/speculative.py's prompts: greedy continuations of held-out stdlib
 files) and each stream count S, with S requests at a time (a round), every request
 `--max-tokens` tokens (ignore_eos):
-1. `python -m serve.main` with speculation off, then with `--speculative-method ngram
-   --speculative-tokens K` (its draft budget on, the default). One unmeasured round, then
-   --rounds measured ones through /v1/completions, streamed with token ids. TPOT per request is
-   (last token - first token) / (tokens - 1) as the client sees it; a cell's TPOT is the median.
-   The n-gram server's tokens are checked equal to the off server's.
+1. `python -m serve.main` twice at once, speculation off and `--speculative-method ngram
+   --speculative-tokens K` (its draft budget on, the default), each on `--mem-fraction` of the GPU.
+   Per cell one unmeasured round on each, then --rounds measured rounds on each through
+   /v1/completions, streamed with token ids, alternating (off then n-gram, then n-gram then off,
+   ...): both servers see the same host, whose speed drifts between processes and minutes (the
+   off server's TPOT read 1.04-1.77 ms across calls when each server ran alone in turn). TPOT
+   per request is (last token - first token) / (tokens - 1) as the client sees it; a round's TPOT
+   is its median request's, and `server_speedup` is the median over rounds of off's round TPOT
+   over the n-gram round's beside it. The n-gram server's tokens are checked equal to off's.
 2. The engine alone, in this process after the servers are gone (benchmarks/speculative.py's
    cell: --repeats pairs of runs, off then n-gram after a run that trains the budget): the median
    ratio of output tokens per second of the closed batch (`engine_speedup`), and of the median
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -79,14 +84,38 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
     return out
 
 
-async def rounds(base: str, texts: list[str], max_tokens: int, count: int) -> list[list[Stream]]:
-    """`count` + 1 rounds of all `texts` at once (the first unmeasured: it trains the draft budget)."""
-    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600)) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        out = []
-        for _ in range(count + 1):
-            out.append(await asyncio.gather(*(one(client, model, t, max_tokens) for t in texts)))
-        return out[1:]
+async def alternating(bases: dict[str, str], texts: list[str], max_tokens: int, count: int) -> tuple[dict, dict]:
+    """One unmeasured round of all `texts` at once on each server (it trains the draft budget), then
+    `count` rounds on each, alternating which server goes first: name -> measured rounds, and name ->
+    this client's CPU time over wall time in those rounds (near 1: the client, not the server, paced
+    the streams)."""
+    names = list(bases)
+    clients = {n: httpx.AsyncClient(base_url=b, timeout=httpx.Timeout(600)) for n, b in bases.items()}
+    try:
+        models = {n: (await c.get("/v1/models")).json()["data"][0]["id"] for n, c in clients.items()}
+
+        async def one_round(name: str) -> list[Stream]:
+            return await asyncio.gather(*(one(clients[name], models[name], t, max_tokens) for t in texts))
+
+        for n in names:
+            await one_round(n)
+        out: dict[str, list[list[Stream]]] = {n: [] for n in names}
+        cpu, wall = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+        for i in range(count):
+            for n in (names if i % 2 == 0 else names[::-1]):
+                c0, w0 = time.process_time(), time.perf_counter()
+                out[n].append(await one_round(n))
+                cpu[n] += time.process_time() - c0
+                wall[n] += time.perf_counter() - w0
+        return out, {n: cpu[n] / wall[n] if wall[n] else None for n in names}
+    finally:
+        for c in clients.values():
+            await c.aclose()
+
+
+def round_tpot(streams: list[Stream]) -> float:
+    """A round's TPOT: its median request's."""
+    return float(np.median([s.tpot for s in streams if s.tpot is not None]))
 
 
 def spec_metrics(base: str) -> dict[str, float]:
@@ -96,17 +125,20 @@ def spec_metrics(base: str) -> dict[str, float]:
             if line.startswith("splash_spec") and len(line.split()) == 2}
 
 
-def serve_cells(args, server_args: str, cells: list[tuple[str, int, list[str]]]) -> dict:
-    """(workload, streams) -> (median TPOT s, token ids of the last round, speculative metrics
-    after the cell)."""
-    out = {}
-    with launched_server(server_args, args.ready_timeout) as base:
+def serve_cells(args, servers: dict[str, str], cells: list[tuple[str, int, list[str]]]) -> dict:
+    """Both servers up at once; (workload, streams) -> per server: round TPOTs (s), token ids of the
+    last round, speculative metrics after the cell, the client's CPU share."""
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction)}
+    out: dict = {}
+    with contextlib.ExitStack() as stack:
+        bases = {n: stack.enter_context(launched_server(a, args.ready_timeout, env)) for n, a in servers.items()}
         for workload, streams, texts in cells:
-            got = asyncio.run(rounds(base, texts, args.max_tokens, args.rounds))
-            tpots = [s.tpot for r in got for s in r if s.tpot is not None]
-            out[(workload, streams)] = (float(np.median(tpots)), [s.token_ids for s in got[-1]], spec_metrics(base))
-            log.info("%s %s streams %d: TPOT p50 %.3f ms", server_args, workload, streams, out[(workload, streams)][0] * 1e3)
-    return {"cells": out, "spec_metrics": next(reversed(out.values()))[2] if out else {}}  # after the last cell
+            got, busy = asyncio.run(alternating(bases, texts, args.max_tokens, args.rounds))
+            out[(workload, streams)] = {n: ([round_tpot(r) for r in got[n]], [s.token_ids for s in got[n][-1]],
+                                            spec_metrics(bases[n]), busy[n]) for n in servers}
+            log.info("%s streams %d: round TPOT p50 %s", workload, streams,
+                     {n: f"{np.median(v[0]) * 1e3:.3f} ms" for n, v in out[(workload, streams)].items()})
+    return out
 
 
 def main(argv=None):
@@ -115,19 +147,20 @@ def main(argv=None):
     p.add_argument("--workloads", default="repeat,fresh")
     p.add_argument("--drafts", type=int, default=3, help="K of the n-gram server and engine")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=3, help="measured rounds per cell (after one unmeasured)")
+    p.add_argument("--rounds", type=int, default=8, help="measured rounds per cell (after one unmeasured)")
     p.add_argument("--repeats", type=int, default=3, help="engine: (off, n-gram) run pairs per cell")
     p.add_argument("--prompt-chars", type=int, default=1200)
     p.add_argument("--server-args", default="", help="more flags for both servers and the engine's config")
     p.add_argument("--ready-timeout", type=float, default=1200)
+    p.add_argument("--mem-fraction", type=float, default=0.35,
+                   help="GPU memory each of the two servers preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     streams = [int(x) for x in args.streams.split(",")]
     cells = [(w, s, speculative.prompts(w, s, args.prompt_chars)) for w in args.workloads.split(",") for s in streams]
     spec_flags = f"--speculative-method ngram --speculative-tokens {args.drafts}"
-    off = serve_cells(args, args.server_args, cells)
-    ngram = serve_cells(args, f"{args.server_args} {spec_flags}", cells)
+    served = serve_cells(args, {"off": args.server_args, "ngram": f"{args.server_args} {spec_flags}"}, cells)
 
     bench, config = parse_engine_and_bench(speculative.__doc__, speculative.SpecBench, [
         *shlex.split(args.server_args), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)])
@@ -137,13 +170,17 @@ def main(argv=None):
         engine.set_speculative("off")
         speculative.run(engine, texts, 8)  # first runs of this batch's buckets
         c = speculative.cell(engine, engine, "ngram", args.drafts, texts, bench)
-        tpot_off, ids_off, _ = off["cells"][(workload, s)]
-        tpot_on, ids_on, metrics_on = ngram["cells"][(workload, s)]
-        server = tpot_off / tpot_on
+        (rounds_off, ids_off, _, busy_off), (rounds_on, ids_on, metrics_on, busy_on) = (
+            served[(workload, s)][n] for n in ("off", "ngram"))
+        tpot_off, tpot_on = float(np.median(rounds_off)), float(np.median(rounds_on))
+        by_round = [a / b for a, b in zip(rounds_off, rounds_on)]  # each pair ran back to back
+        server = float(np.median(by_round))
         rows.append({
             "workload": workload, "streams": s, "batch": s, "K": args.drafts,
             "acceptance": c.spec.get("acceptance_rate"), "engine_speedup": c.ratio, "engine_tpot_speedup": c.tpot,
             "tpot_off_ms": tpot_off * 1e3, "tpot_ngram_ms": tpot_on * 1e3, "server_speedup": server,
+            "server_speedup_by_round": by_round, "server_speedup_min": min(by_round), "server_speedup_max": max(by_round),
+            "client_cpu_share_off": busy_off, "client_cpu_share_ngram": busy_on,
             "server_over_engine": server / c.ratio, "speedup": server,
             "server_over_engine_tpot": server / c.tpot if c.tpot else None,
             # each side's TPOT itself: a front end in its own process leaves the server's core less
@@ -160,9 +197,11 @@ def main(argv=None):
             "server_spec_metrics": metrics_on,  # the n-gram server's after the cell (levels and rates by batch)
         })
     print(table(rows, ["workload", "streams", "acceptance", "engine_speedup", "engine_tpot_speedup", "tpot_off_ms",
-                       "tpot_ngram_ms", "engine_tpot_off_ms", "engine_tpot_ngram_ms", "server_speedup",
+                       "tpot_ngram_ms", "engine_tpot_off_ms", "engine_tpot_ngram_ms", "server_speedup", "server_speedup_min",
+                       "server_speedup_max", "client_cpu_share_off", "client_cpu_share_ngram",
                        "server_over_engine", "server_over_engine_tpot", "server_outputs_identical"]))
-    write_results("speculative_server", {"args": vars(args), "rows": rows, "server_spec_metrics": ngram["spec_metrics"],
+    last = served[next(reversed(served))]["ngram"][2] if served else {}  # the n-gram server's after the last cell
+    write_results("speculative_server", {"args": vars(args), "rows": rows, "server_spec_metrics": last,
                                          "engine": {k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}})
     if not all(r["server_outputs_identical"] for r in rows):
         log.warning("the n-gram server's tokens differ from the off server's (bf16 near-ties, or a bug in float32)")
