@@ -179,19 +179,23 @@ def test_penalty_requests_give_the_same_tokens_when_their_prompt_is_cached(engin
 
 
 def test_the_ngram_index_proposes_what_a_scan_of_the_sequence_does():
-    """NgramIndex (extended token by token, looked up with a prefix past the known tokens) against
-    ngram_draft on the whole sequence, on random sequences over a small alphabet (many repeats)."""
+    """NgramIndex (extended token by token, or by runs of tokens as a prompt or a verify step's
+    kept drafts arrive; looked up with a prefix past the known tokens) against ngram_draft on the
+    whole sequence, on random sequences over a small alphabet (many repeats)."""
     from types import SimpleNamespace
 
     from splash_jax.engine.speculative import NgramIndex
 
     rng = np.random.default_rng(3)
-    for trial in range(40):
+    for trial in range(80):
         seq = rng.integers(0, 4, int(rng.integers(2, 60))).tolist()
-        index = NgramIndex(1, 3)
-        for known in range(1, len(seq) + 1):
+        min_n, max_n = (1, 3) if trial < 40 else sorted(int(x) for x in rng.integers(1, 5, 2))
+        index = NgramIndex(min_n, max_n)
+        known = 0
+        while known < len(seq):
+            known = min(len(seq), known + (1 if trial < 20 else int(rng.integers(1, 25))))
             index.extend(SimpleNamespace(num_known=known, token_slice=lambda a, b: seq[a:b]))
             for cut in range(0, min(3, len(seq) - known) + 1):
                 prefix = tuple(seq[known : known + cut])
-                want = ngram_draft(np.array(seq[: known + cut]), 4, 1, 3)
+                want = ngram_draft(np.array(seq[: known + cut]), 4, min_n, max_n)
                 assert index.lookup(4, prefix) == want, (trial, known, cut)
