@@ -199,3 +199,31 @@ def test_the_ngram_index_proposes_what_a_scan_of_the_sequence_does():
                 prefix = tuple(seq[known : known + cut])
                 want = ngram_draft(np.array(seq[: known + cut]), 4, min_n, max_n)
                 assert index.lookup(4, prefix) == want, (trial, known, cut)
+
+
+def test_a_long_prompt_is_indexed_over_several_calls_and_drafts_nothing_until_then(monkeypatch):
+    """A prompt longer than TOKENS_PER_EXTEND is indexed a run per call (one call per lookup, so no
+    step waits for a whole 32K-token prompt); until the index has caught up it proposes nothing, then
+    it equals an index built in one call and proposes what a scan does."""
+    from types import SimpleNamespace
+
+    from splash_jax.engine.speculative import NgramIndex
+
+    cap = NgramIndex.TOKENS_PER_EXTEND
+    seq = np.random.default_rng(5).integers(0, 6, 2 * cap + 37).tolist()
+    request = SimpleNamespace(num_known=len(seq), token_slice=lambda a, b: seq[a:b])
+    index, calls = NgramIndex(1, 3), 0
+    while True:
+        index.extend(request)
+        calls += 1
+        assert len(index.seq) == min(len(seq), calls * cap)
+        if not index.behind:
+            break
+        assert index.lookup(4, ()) == [] and index.lookup(4, (1, 2)) == []
+    assert calls == 3
+    want = ngram_draft(np.array(seq), 4, 1, 3)
+    assert want and index.lookup(4, ()) == want
+    monkeypatch.setattr(NgramIndex, "TOKENS_PER_EXTEND", 10**9)
+    whole = NgramIndex(1, 3)
+    whole.extend(request)
+    assert not whole.behind and whole.latest == index.latest

@@ -82,7 +82,8 @@ class NgramDrafter:
     in the request's prompt + output; its most recent earlier occurrence's continuation is the
     draft (copying code under edit, quoting a retrieved passage). Each request keeps an index of
     its n-grams (NgramIndex), extended by the tokens it gained since the last step, so a lookup
-    costs a few dictionary reads, not a scan of the sequence."""
+    costs a few dictionary reads, not a scan of the sequence. A long prompt is indexed over a few
+    steps (NgramIndex.TOKENS_PER_EXTEND per call), the request drafting nothing until then."""
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
@@ -109,31 +110,45 @@ class NgramDrafter:
 
 class NgramIndex:
     """One request's n-grams (min_n..max_n tokens) -> the latest start that has a token after it:
-    ngram_draft's answer for the known tokens, kept up to date as tokens arrive."""
+    ngram_draft's answer for the known tokens, kept up to date as tokens arrive.
+
+    It takes at most TOKENS_PER_EXTEND new tokens per extend() call and proposes nothing while it
+    lags the request (`behind`): a long prompt is indexed over a few steps, not in one. Indexing
+    runs on the engine thread between two steps, so every running request's next token waits for
+    it: a 32K-token prompt in one call held it 27 ms (an H100 host's CPU and the 2-core repository
+    host alike, benchmarks/probes/ngram_index.py); 1,024 tokens take under 1 ms."""
+
+    TOKENS_PER_EXTEND = 1024
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.seq: list[int] = []
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> latest start j with j + n < len(seq)
+        self.behind = False  # the request knows tokens past seq: lookups propose nothing until caught up
 
     def extend(self, request: Request) -> None:
         known = request.num_known
         size = len(self.seq)
         if known <= size:
+            self.behind = False
             return
-        self.seq += request.token_slice(size, known)
+        stop = min(known, size + self.TOKENS_PER_EXTEND)
+        self.behind = stop < known
+        self.seq += request.token_slice(size, stop)
         seq = self.seq
-        # Windows that now have a continuation: starts j with size <= j + n < known. Their tuples are
-        # built by zip over n shifted slices and inserted in order of j, so the latest start wins: the
-        # same as a loop over j, in C (a 32K-token prompt indexed in ~15 ms instead of ~120 ms on a
-        # 2-core host, time the engine thread spends before the request's first draft).
+        # Windows that now have a continuation: starts j with size <= j + n < stop. Their tuples are
+        # built by zip over n shifted slices and inserted in order of j, so the latest start wins, as
+        # a loop over j would, but in C (1.6-2x faster on a 32K-token prompt, the probe above).
         for n in range(self.min_n, self.max_n + 1):
-            lo, hi = max(0, size - n), known - n
+            lo, hi = max(0, size - n), stop - n
             if hi > lo:
                 self.latest.update(zip(zip(*(seq[lo + i : hi + i] for i in range(n))), range(lo, hi)))
 
     def lookup(self, k: int, prefix: tuple[int, ...]) -> list[int]:
-        """ngram_draft(known + prefix, k, min_n, max_n) from the index (prefix: a few tokens past it)."""
+        """ngram_draft(known + prefix, k, min_n, max_n) from the index (prefix: a few tokens past it);
+        nothing while the index lags the request."""
+        if self.behind:
+            return []
         seq = self.seq + list(prefix) if prefix else self.seq
         size, known = len(seq), len(self.seq)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
