@@ -23,13 +23,15 @@ It is replayed by the wall clock as benchmarks/dynamic.py replays it (`serve`: a
 at the first step boundary after its arrival; TTFT counts from the arrival), once per policy,
 every run starting with an empty prefix cache, greedy with ignore_eos to each row's output length.
 
---policies: comma-separated NAME[:CAP[:WAIT[:LATE[:GAP]]]] (engine/prefill_order.py): NAME fcfs or srpf,
+--policies: comma-separated NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] (engine/prefill_order.py; an empty
+field takes its default): NAME fcfs or srpf,
 CAP the prefill tokens a step may take while requests decode (0: no cap; default 0), WAIT srpf's age
 bound in trace seconds (default --max-prefill-wait-s), multiplied by --time-scale as arrival
 times are, LATE on or off: late dispatch behind long prefill steps (engine/dispatch_timing.py;
 default --late-dispatch), GAP the step buckets' --token-bucket-gap (default the engine's; 0: powers
-of two). The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must give a subset
-of it (0 under a power-of-two gap does): both ladders are served by one engine, in one run.
+of two), AGING srpf's --prefill-aging-tokens-per-s (per trace second), FINISH on or off:
+--prefill-finish-early. The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must
+give a subset of it (0 under a power-of-two gap does): both ladders are served by one engine, in one run.
 The default compares today's order (fcfs:0) with srpf and a 4096-token cap.
 
 Unloaded TTFT: the trace's median-length prompt and its longest, each alone on the idle engine
@@ -73,7 +75,7 @@ class TraceBenchConfig:
     tokens_per_block: int = 0  # replay each block as this many tokens, output lengths scaled alike (0 = unscaled)
     num_requests: int = 0  # replay the first N rows (0 = all)
     time_scale: float = 1.0  # multiplies arrival times (and srpf's age bound)
-    policies: str = "fcfs:0,srpf:4096"  # NAME[:CAP[:WAIT[:LATE[:GAP]]]], comma-separated (see above)
+    policies: str = "fcfs:0,srpf:4096"  # NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]], comma-separated (see above)
     unloaded_repeats: int = 3  # runs of each unloaded prompt (the median is kept)
     bench_seed: int = 0  # seeds block tokens
     max_run_s: float = 1800.0  # a run still going after this is stopped and marked incomplete
@@ -87,17 +89,24 @@ class Policy:
     gap: int | None  # None: --token-bucket-gap
 
 
-def parse_policies(spec: str, default_wait: float, time_scale: float) -> list[Policy]:
+def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
+    """--policies items; WAIT, AGING and FINISH default to `config`'s (an EngineConfig)."""
     out = []
     for item in spec.split(","):
         parts = item.strip().split(":")
-        if not 1 <= len(parts) <= 5 or not parts[0] or len(parts) >= 4 and parts[3] not in ("on", "off"):
-            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP]]]] items (LATE on or off), got {item!r}")
-        cap = int(parts[1]) if len(parts) > 1 else 0
-        wait = float(parts[2]) if len(parts) > 2 else default_wait
-        late = parts[3] == "on" if len(parts) > 3 else None
-        gap = int(parts[4]) if len(parts) > 4 else None
-        out.append(Policy(item.strip(), PrefillOrder(parts[0], wait * time_scale, cap), late, gap))
+        if (not 1 <= len(parts) <= 7 or not parts[0] or len(parts) >= 4 and parts[3] not in ("on", "off")
+                or len(parts) >= 7 and parts[6] not in ("on", "off")):
+            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] items (LATE, FINISH on "
+                             f"or off; a field left empty takes its default), got {item!r}")
+        field = lambda i: parts[i] if len(parts) > i and parts[i] else None  # noqa: E731
+        cap = int(field(1) or 0)
+        wait = float(field(2) or config.max_prefill_wait_s)
+        late = None if field(3) is None else field(3) == "on"
+        gap = None if field(4) is None else int(field(4))
+        aging = float(field(5) or config.prefill_aging_tokens_per_s)
+        finish = config.prefill_finish_early if field(6) is None else field(6) == "on"
+        out.append(Policy(item.strip(), PrefillOrder(parts[0], wait * time_scale, cap, (), aging / time_scale, finish),
+                          late, gap))
     return out
 
 
@@ -120,6 +129,7 @@ def use(engine: Engine, order: PrefillOrder, gap: int) -> None:
     engine.scheduler.prefill_order = dataclasses.replace(order, buckets=ladder_sizes(engine.config, gap))
     engine.config.scheduling_policy, engine.config.max_prefill_wait_s = order.policy, order.max_wait_s
     engine.config.max_prefill_tokens_with_decodes = order.max_prefill_tokens_with_decodes
+    engine.config.prefill_aging_tokens_per_s, engine.config.prefill_finish_early = order.aging_tokens_per_s, order.finish_early
 
 
 def unloaded_ttft(engine: Engine, a: W.Arrival, c: TraceBenchConfig, gap: int) -> dict:
@@ -155,6 +165,7 @@ def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrde
     s = serve(engine, arrivals, c.bench_seed, "on", c.max_run_s, name)
     out = summarize(s.records, s.samples, s.preemptions, [])
     out |= {"policy": order.policy, "max_wait_s": order.max_wait_s, "cap": order.max_prefill_tokens_with_decodes,
+            "aging_tokens_per_s": order.aging_tokens_per_s, "finish_early": order.finish_early,
             "token_bucket_gap": gap,
             "complete": s.complete, "prefix_cache": s.prefix_cache, "host_ms": s.host_ms,
             "wrong_lengths": sum(r.tokens != r.output_len for r in s.records if r.finished is not None),
@@ -211,7 +222,7 @@ def main(argv=None):
     logging.getLogger("jax").setLevel(logging.WARNING)
     if not c.shape and config.max_pages is None:
         config.max_pages = 512
-    policies = parse_policies(c.policies, config.max_prefill_wait_s, c.time_scale)
+    policies = parse_policies(c.policies, config, c.time_scale)
     arrivals = W.read_mooncake(c.trace, c.block_size, c.tokens_per_block, c.time_scale, c.num_requests)
     stats = trace_stats(arrivals, (c.tokens_per_block or c.block_size) / c.block_size)
     log.info("trace %s: %s", c.trace, stats)

@@ -18,14 +18,16 @@ class Step:
     device_s: float
     dispatch_end: float | None = None
     prefill_tokens: int = 0
+    features: tuple = ()
     sent: float = 0.0  # when the simulated dispatch returned
     start: float = 0.0
     end: float = 0.0
+    depth: int = 0  # where its chunk starts in its prompt
 
     @property
     def chunks(self):  # one prompt chunk of `tokens` tokens, as step_timeline.classify reads it
-        request = types.SimpleNamespace(prompt_ids=range(self.tokens + 1))
-        return [types.SimpleNamespace(request=request, start=0, end=self.tokens)]
+        request = types.SimpleNamespace(prompt_ids=range(self.depth + self.tokens + 1))
+        return [types.SimpleNamespace(request=request, start=self.depth, end=self.depth + self.tokens)]
 
 
 class Clock:
@@ -36,14 +38,14 @@ class Clock:
         return self.t
 
 
-def simulate(late: bool, n: int = 40, host_s: float = 0.004, seed: int = 0):
+def simulate(late: bool, n: int = 40, host_s: float = 0.004, seed: int = 0, steps=None, config=None):
     """A driver loop as the engine's: dispatch (host_s of host time), then read back the step
-    before. Device time per token varies by up to 1.6x between steps (deeper chunks cost more).
+    before. Device time per token varies by up to 1.6x between steps, at random (default `steps`).
     -> (steps, idle gaps between consecutive steps on the device, timing)."""
     rng = np.random.default_rng(seed)
     clock = Clock()
-    timing = DispatchTiming(late, clock=clock)
-    steps = [Step(8192, 8192 * 12e-6 * rng.uniform(1.0, 1.6)) for _ in range(n)]
+    timing = DispatchTiming(late, config, clock=clock)
+    steps = steps or [Step(8192, 8192 * 12e-6 * rng.uniform(1.0, 1.6)) for _ in range(n)]
     device_free, inflight = 0.0, None
     for s in steps:
         if inflight is not None:
@@ -79,6 +81,34 @@ def test_the_next_step_goes_out_late_but_before_the_device_runs_dry():
     assert timing.waits > 0 and timing.waited_s > 1.0
     s = timing.summary()
     assert s["enabled"] and 12.0 <= s["min_ms_per_1k_prefill_tokens"] <= 12.0 * 1.6
+
+
+def test_the_fit_to_depth_and_size_dispatches_closer_to_the_end_than_the_cheapest_rate():
+    """Steps of 2K-8K prefill tokens at depths 0-24K, device time = 10 ms + 10 us per token + 1 ns
+    per query-key pair (+-1%): the cheapest rate predicts a deep chunk far short (and a shallow one
+    after deep ones too long), the fit does neither."""
+    rng = np.random.default_rng(1)
+
+    def steps():
+        out = []
+        for _ in range(80):
+            tokens, depth = int(rng.integers(2048, 8193)), int(rng.integers(0, 24_577))
+            pairs = tokens * depth + tokens * (tokens + 1) / 2
+            out.append(Step(tokens, (0.01 + 10e-6 * tokens + 1e-9 * pairs) * rng.uniform(0.99, 1.01), depth=depth))
+        return out
+
+    fitted, gaps, timing = simulate(True, steps=steps())
+    floor, floor_gaps, _ = simulate(True, steps=steps(), config=DispatchTimingConfig(fit_samples=10**9))  # fit off
+    assert max(gaps[20:]) < 1e-12  # with the fit the device never idles (the cheapest rate idled it here:
+    assert max(floor_gaps) > 1e-3  # a small shallow step after deep big ones is predicted too long)
+
+    def ahead(run):  # how long before the step in flight ended the next one went out, once warmed up
+        return np.array([a.end - b.sent for a, b in zip(run[20:], run[21:])])
+
+    assert np.all(ahead(fitted) <= [timing.lead_s(s.device_s) + 0.05 * s.device_s for s in fitted[20:-1]])
+    assert np.median(ahead(fitted)) < 0.5 * np.median(ahead(floor))
+    fit = timing.summary()["fit"]
+    assert fit["ms"][1] == pytest.approx(10e-3, rel=0.1) and fit["ms"][2] == pytest.approx(1.0, rel=0.1)  # per token, per 1M pairs
 
 
 def test_idle_time_before_a_step_never_counts_as_its_device_time():

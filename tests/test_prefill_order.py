@@ -1,6 +1,6 @@
-"""Prefill order (engine/prefill_order.py): the ranking itself, the scheduler under srpf and the
-prefill cap beside decodes on a fake step, and the engine: the same greedy outputs as fcfs, with
-no compile after warm-up."""
+"""Prefill order (engine/prefill_order.py): the ranking itself (aging included), the scheduler under
+srpf, the prefill cap beside decodes and short finishing steps on a fake step, and the engine: the
+same greedy outputs as fcfs, with no compile after warm-up."""
 
 import collections
 
@@ -48,6 +48,60 @@ def test_srpf_ranks_preempted_then_aged_oldest_first_then_fewest_tokens_left_tie
     assert ids(waiting) == ["short_a", "long_old"]
 
 
+def test_aging_lets_a_long_prompt_climb_past_newer_shorter_ones():
+    order = PrefillOrder("srpf", max_wait_s=1e9, aging_tokens_per_s=10.0)
+    long_old, short_new = req("long_old", 100, arrival=0.0), req("short_new", 40, arrival=5.0)
+    waiting = collections.deque([short_new, long_old])
+    order.plan([], waiting, now=5.0)  # long_old: 100 - 50 = 50 > short_new's 40
+    assert ids(waiting) == ["short_new", "long_old"]
+    order.plan([], waiting, now=7.0)  # 100 - 70 = 30 < 40 - 20 = 20? no: 30 > 20, still behind
+    assert ids(waiting) == ["short_new", "long_old"]
+    late = req("late", 40, arrival=9.0)
+    waiting.append(late)
+    order.plan([], waiting, now=9.0)  # long_old 10, short_new 0, late 40
+    assert ids(waiting) == ["short_new", "long_old", "late"]
+    assert PrefillOrder("srpf", max_wait_s=1e9).key(long_old, 9.0) == (2, 100, 0.0)  # no aging: tokens left
+
+
+def test_a_step_where_prompts_finish_is_cut_to_the_bucket_holding_them():
+    order = PrefillOrder("srpf", 1e9, 0, (1, 2, 4, 8, 16), finish_early=True)
+    running = req("r", 10, 0.0, computed=8)  # 2 left
+    short, long_ = req("w1", 3, 1.0), req("w2", 20, 2.0)
+    waiting = collections.deque([long_, short])
+    plan = order.plan([running], waiting, now=3.0)
+    assert ids(plan) == ["r", ALL] and ids(waiting) == ["w1", "w2"]
+    # 3 decodes + r's 2 + w1's 3 = 8: the 8-token bucket; w2 (20) cannot finish in this step
+    assert order.finishing_budget(16, 3, plan, waiting) == 8
+    assert order.finishing_budget(16, 9, plan, waiting) == 16  # 9 + 5 = 14: the 16 bucket is the budget
+    assert order.finishing_budget(6, 3, plan, waiting) == 6  # only r finishes: 5 -> the 8 bucket, past the budget
+    nothing = collections.deque([long_])
+    assert order.finishing_budget(16, 3, order.plan([], nothing, 3.0), nothing) == 16  # none finishes: all of it
+    assert PrefillOrder("srpf", 1e9, 0, (1, 2, 4, 8, 16)).finishing_budget(16, 3, plan, waiting) == 16  # off
+    # fcfs plans finish early too: the running prefill first, then the queue in arrival order
+    fcfs = PrefillOrder("fcfs", 1.0, 0, (1, 2, 4, 8, 16), finish_early=True)
+    queue = collections.deque([short, long_])
+    assert fcfs.finishing_budget(16, 1, fcfs.plan([running], queue, 3.0), queue) == 8  # 1 + 2 + 3 = 6 -> 8
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "srpf"])
+def test_finishing_steps_give_the_same_outputs_and_fill_a_bucket(policy):
+    ladder = (1, 2, 4, 8, 16)
+    arrivals = {0: [("s0", 5, 6), ("long", 60, 12)], 2: [("s1", 6, 12)], 4: [("s2", 3, 6), ("long2", 40, 6)],
+                7: [("s3", 9, 4)]}
+    plain, first_plain, full = drive(PrefillOrder(policy, 1e9, 0, ladder), arrivals)
+    finishing = []
+    out, first, steps = drive(PrefillOrder(policy, 1e9, 0, ladder, finish_early=True), arrivals, finishing=finishing)
+    assert out == plain and all(len(v) for v in out.values())
+    assert full[0] == (16, 0) and steps[0] == (8, 0)  # s0's 5 tokens and 3 of the long prompt's: the 8 bucket
+    assert first["s0"] == first_plain["s0"] == 0
+    # a step with prefill left over is cut only to a bucket, and only when a prompt finishes in it.
+    # What the fake step cannot show is time (a cut step is shorter; the prompts behind may then
+    # finish a step later): benchmarks/probes/ttft_sim.py and benchmarks/ttft_trace.py measure that.
+    prefill_left = [sum(p for p, _ in steps[i + 1:]) > 0 for i in range(len(steps))]
+    cut = [i for i, (p, d) in enumerate(steps) if p and p + d < 16 and prefill_left[i]]
+    assert cut and all(finishing[i] and sum(steps[i]) in ladder for i in cut), (steps, finishing)
+
+
 def test_fcfs_keeps_admission_and_queue_order():
     order = PrefillOrder()
     running = [req("b", 90, 1.0, computed=10), req("a", 20, 0.0, computed=10)]
@@ -57,7 +111,8 @@ def test_fcfs_keeps_admission_and_queue_order():
 
 
 def test_bad_settings_are_refused():
-    for kw in ({"policy": "lifo"}, {"max_wait_s": -1.0}, {"max_prefill_tokens_with_decodes": -1}):
+    for kw in ({"policy": "lifo"}, {"max_wait_s": -1.0}, {"max_prefill_tokens_with_decodes": -1},
+               {"aging_tokens_per_s": -1.0}):
         with pytest.raises(ValueError):
             PrefillOrder(**kw)
 
@@ -66,9 +121,10 @@ def fake_token(r):
     return (sum(r.token_slice(max(0, r.num_known - 3), r.num_known)) * 31 + r.num_known) % 48 + 2
 
 
-def drive(order, arrivals, budget=16):
+def drive(order, arrivals, budget=16, finishing=None):
     """A scheduler on a fake step (tokens depend only on the sequence); arrivals: step -> requests.
-    Returns (outputs by id, first-token step by id, [(prefill tokens, decode rows) per step])."""
+    Returns (outputs by id, first-token step by id, [(prefill tokens, decode rows) per step]);
+    `finishing` (a list) gets per step whether some prompt finished its prefill in it."""
     sched = Scheduler(PageAllocator(1, 400, 4), max_num_seqs=8, max_num_batched_tokens=budget, placement=REPLICATED,
                       max_model_len=256, pages_per_request=64, prefill_order=order)
     first, steps, reqs, t = {}, [], {}, 0
@@ -82,6 +138,8 @@ def drive(order, arrivals, budget=16):
         steps.append((sum(c.num_tokens for c in chunks) - len(decodes), len(decodes)))
         sched.dispatched(chunks)
         sampling = [c for c in chunks if c.samples]
+        if finishing is not None:
+            finishing.append(any(c.start < len(c.request.prompt_ids) for c in sampling))
         for c in sampling:
             first.setdefault(c.request.request_id, t)
         sched.update(chunks, list(range(len(sampling))), np.array([fake_token(c.request) for c in sampling]))
@@ -151,7 +209,7 @@ def test_engine_srpf_with_a_cap_gives_fcfs_outputs_and_compiles_nothing():
     model = load_model(DEFAULT_MODEL, RuntimeOptions(dtype="float32", attention_impl="xla"))
     engine = Engine(EngineConfig(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=96,
                                  compile_cache_dir=None, scheduling_policy="srpf", max_prefill_wait_s=1e9,
-                                 max_prefill_tokens_with_decodes=8), model=model)
+                                 max_prefill_tokens_with_decodes=8, prefill_finish_early=True), model=model)
     long = "Serving engines batch requests continuously; each step mixes prefill chunks with decode tokens. " * 3
     prompts = [long, "MLA", "Hi there", "x = 1", long[:120], "The quick brown fox"]
     arrivals = [0, 1, 1, 2, 2, 6]
@@ -193,8 +251,8 @@ def test_the_ttft_trace_is_reproducible_and_has_the_issues_statistics():
     assert 0.11 < make_mooncake.reuse(rows) < 0.15
 
 
-@pytest.mark.parametrize("cap", [0, 3])
-def test_srpf_keeps_every_page_consistent_under_random_interleavings(cap):
+@pytest.mark.parametrize("cap,aging,finish", [(0, 0.0, False), (3, 0.0, False), (0, 2.0, True)])
+def test_srpf_keeps_every_page_consistent_under_random_interleavings(cap, aging, finish):
     """tests/test_prefix_cache.py's random adds, steps, aborts and preemptions (prefix caching on,
     pages checked against a shadow of their contents), with srpf: the same outputs as fcfs."""
     from unittest import mock
@@ -206,7 +264,8 @@ def test_srpf_keeps_every_page_consistent_under_random_interleavings(cap):
     from tests.test_prefix_cache import OP
     from tests.test_prefix_cache import drive as drive_ops
 
-    srpf = PrefillOrder("srpf", max_wait_s=1e9, max_prefill_tokens_with_decodes=cap)
+    srpf = PrefillOrder("srpf", max_wait_s=1e9, max_prefill_tokens_with_decodes=cap, buckets=(1, 2, 4, 8, 16),
+                        aging_tokens_per_s=aging, finish_early=finish)
 
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(ops=st.lists(OP, min_size=1, max_size=30), pages=st.integers(5, 14))

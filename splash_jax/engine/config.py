@@ -65,6 +65,10 @@ class EngineConfig:
     # then those waiting past --max-prefill-wait-s since arrival, oldest first, then fewest prompt tokens left)
     scheduling_policy: str = "fcfs"
     max_prefill_wait_s: float = 1.0  # srpf: the age bound above, seconds since the request arrived
+    prefill_aging_tokens_per_s: float = 0.0  # srpf: prompt tokens a waiting request's rank gains per second waited
+    # A step in which prompts finish their prefill takes other prompts' chunks only up to the step bucket
+    # that holds them and the decodes (their first tokens wait for their own work, not a full budget)
+    prefill_finish_early: bool = False
     # While any request decodes, a step's tokens stay within the largest step bucket of at most this many
     # prefill tokens plus the decodes' (no padding to the next bucket), so decodes never wait behind a full
     # --max-num-batched-tokens prefill chunk (0 = no cap); steps without decodes use the whole budget.

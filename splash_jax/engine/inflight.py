@@ -32,6 +32,7 @@ class InFlight:
     draft_key: tuple[int, int] | None = None  # (batch bucket, level) the draft budget chose it at (engine/draft_budget.py)
     dispatch_end: float | None = None  # when its dispatch returned (engine/dispatch_timing.py)
     prefill_tokens: int = 0  # prompt tokens it computes
+    features: tuple[float, ...] = ()  # what its device time is fitted to (engine/dispatch_timing.py)
 
 
 class GrammarMasks:

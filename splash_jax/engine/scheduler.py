@@ -238,10 +238,13 @@ class Scheduler(Admission, SpeculativeScheduling):
             decoding += [r for r in self.running if self._goes_ahead(r)]
         drafts = self._propose(decoding, min(budget, rows))
         order = self.prefill_order  # engine/prefill_order.py: prefill work in order, its cap beside decodes
-        budget = order.prefill_budget(budget, len(decoding) + sum(
-            len(d[0]) if r.awaits_verify else len(d) for r in decoding if (d := drafts.get(id(r)))))
+        decode_tokens = len(decoding) + sum(
+            len(d[0]) if r.awaits_verify else len(d) for r in decoding if (d := drafts.get(id(r))))
+        budget = order.prefill_budget(budget, decode_tokens)
+        plan = order.plan(prefilling, self.waiting, time.monotonic())
+        budget = order.finishing_budget(budget, decode_tokens, plan, self.waiting)
         deferred, admitting = [], True  # deferred: waiting for a block another request computes (kept in order)
-        for request in decoding + order.plan(prefilling, self.waiting, time.monotonic()):
+        for request in decoding + plan:
             if not isinstance(request, Request):  # admit up to this many from the waiting queue's front
                 if admitting:
                     budget, rows, admitting = self._admit_waiting(request, budget, rows, chunks, scheduled, deferred)
