@@ -17,7 +17,9 @@ ladder (`bucket_ladder`), the trace (benchmarks/ttft_trace.py's). What is modell
                    before the step in flight ends (an oracle: the real prediction errs short);
   the first token: at the end of the step that samples it.
 `--validate` reads a measured ttft_trace result and prints the model's step means and TTFT beside
-the measured ones for the same policies. The model ranks policies; only the device run counts.
+the measured ones for the same policies (each under its run's ladder; the model's late dispatch is
+the oracle's, while the engine predicts, so measured late-dispatch runs read slower). The model ranks
+policies; only the device run counts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import argparse
 import dataclasses
 import logging
 import time
+import types
+from unittest import mock
 
 import numpy as np
 
@@ -76,7 +80,11 @@ def parse(spec: str, budget: int, gap: int, config: EngineConfig) -> list[Sim]:
 
 def replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.Namespace) -> dict:
     clock = [0.0]
-    scheduler_module.time.monotonic = lambda: clock[0]  # PrefillOrder's ages run on the simulated clock
+    with mock.patch.object(scheduler_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0])):
+        return _replay(arrivals, sim, model, a, clock)  # PrefillOrder's ages run on the simulated clock
+
+
+def _replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.Namespace, clock: list) -> dict:
     ladder = [b.tokens for b in bucket_ladder(a.budget, 1, 8, a.gap)]
     alloc = PageAllocator(1, a.pages, a.page_size)
     s = Scheduler(alloc, a.max_num_seqs, a.budget, get_layout("tp").kv_placement, a.max_model_len,
@@ -84,6 +92,7 @@ def replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.Na
                   prefill_order=sim.order)
     n = len(arrivals)
     first, done, arrive = [None] * n, [None] * n, [a_.t for a_ in arrivals]
+    begun = [None] * n  # when the first step holding part of its prompt started on the device
     intervals = {"decode_only": [], "with_prefill": []}
     ctx = []  # decode-only steps: (rows, summed context)
     nxt, now, inflight, end_prev = 0, 0.0, None, 0.0  # inflight: (chunks, end time)
@@ -114,6 +123,9 @@ def replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.Na
             if not prompt:
                 ctx.append((len(decode), sum(c.end for c in decode)))
             step = (chunks, end_prev)
+            for c in prompt:
+                i = int(c.request.request_id)
+                begun[i] = start if begun[i] is None else begun[i]
         if inflight is not None:
             chunks_done, end = inflight
             now = max(now, end)
@@ -131,7 +143,9 @@ def replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.Na
     lens = np.array([x.prompt_len for x in arrivals])
     order = np.argsort(lens, kind="stable")
     quart = [float(np.median(ttft[q])) for q in np.array_split(order, 4)]
-    return {"policy": sim.policy, "ttft": percentiles(list(ttft), (50, 99)), "tpot": percentiles(tpot, (50, 99)), "ttft_by_length_quartile_p50": quart,
+    waited = np.array([b - t for b, t in zip(begun, arrive)])
+    return {"policy": sim.policy, "ttft": percentiles(list(ttft), (50, 99)),
+            "before_first_chunk_p50": float(np.median(waited)), "first_chunk_to_token_p50": float(np.median(ttft - waited)), "tpot": percentiles(tpot, (50, 99)), "ttft_by_length_quartile_p50": quart,
             "decode_only_ms": 1e3 * float(np.mean(intervals["decode_only"])), "decode_only_steps": len(intervals["decode_only"]),
             "with_prefill_ms": 1e3 * float(np.mean(intervals["with_prefill"])), "with_prefill_steps": len(intervals["with_prefill"]),
             "decode_only_rows_ctx": np.mean(ctx, axis=0).tolist() if ctx else None,
@@ -147,7 +161,7 @@ def unloaded(x: W.Arrival, model: StepModel, a: argparse.Namespace) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policies", default="fcfs:0:1:off,srpf:0:1:on,srpf:0:100:on::8000:on",
+    p.add_argument("--policies", default="fcfs:0:1:off,srpf:0:1:on,srpf:0:100:on::7400:on",
                    help="benchmarks/ttft_trace.py's --policies (LATE off unless on)")
     p.add_argument("--validate", default="", help="a ttft_trace result: its policies, beside the model")
     p.add_argument("--trace", default=str(W.TRACES / "mooncake_ttft.jsonl"))
@@ -164,31 +178,41 @@ def main(argv=None):
     arrivals = W.read_mooncake(a.trace, 512, 0, a.time_scale)
     model = StepModel(lead_s=a.lead_ms / 1e3)
     by_len = sorted(arrivals, key=lambda x: x.prompt_len)
-    base = {"median": unloaded(by_len[(len(by_len) - 1) // 2], model, a), "longest": unloaded(by_len[-1], model, a)}
-    log.info("unloaded TTFT (model): median %.4f s, longest %.4f s", base["median"], base["longest"])
     measured = read_json(a.validate) if a.validate else None
-    spec = a.policies if not measured else ",".join(k.rsplit(":", 1)[0] if k.count(":") == 4 else k for k in measured["runs"])
-    rows = []
-    for sim in parse(spec, a.budget, a.gap, EngineConfig()):
+    if measured:  # each measured run under its own ladder, its GAP field dropped from the policy
+        runs = [(k, m.get("token_bucket_gap", 0), ":".join(k.split(":")[:4] + [""] + k.split(":")[5:]).rstrip(":"))
+                for k, m in measured["runs"].items()]  # (runs before the gap existed: powers of two)
+    else:
+        runs = [(None, a.gap, item) for item in a.policies.split(",")]
+    rows, bases = [], {}
+    for key, gap, spec in runs:
+        g = argparse.Namespace(**{**vars(a), "gap": gap})
+        if gap not in bases:
+            bases[gap] = base = {"median": unloaded(by_len[(len(by_len) - 1) // 2], model, g), "longest": unloaded(by_len[-1], model, g)}
+            log.info("unloaded TTFT (model), gap %d: median %.4f s, longest %.4f s", gap, base["median"], base["longest"])
+        base = bases[gap]
+        sim = parse(spec, a.budget, gap, EngineConfig())[0]
         t0 = time.perf_counter()
-        r = replay(arrivals, sim, model, a)
-        row = {"policy": sim.policy, "ttft_p50": r["ttft"]["p50"], "ttft_p99": r["ttft"]["p99"],
-               "p50_over_unloaded": r["ttft"]["p50"] / base["median"], "p99_over_longest": r["ttft"]["p99"] / base["longest"],
-               "tpot_p99_over_p50": r["tpot"]["p99"] / r["tpot"]["p50"], "tpot_p50_ms": 1e3 * r["tpot"]["p50"], "q_p50": " ".join(f"{q:.3f}" for q in r["ttft_by_length_quartile_p50"]),
-               "decode_ms": r["decode_only_ms"], "prefill_step_ms": r["with_prefill_ms"],
-               "steps": f"{r['decode_only_steps']}+{r['with_prefill_steps']}", "busy_s": r["busy_s"], "hit": r["hit_rate"], "sim_s": time.perf_counter() - t0}
-        rows.append(row)
+        r = replay(arrivals, sim, model, g)
+        rows.append({"policy": sim.policy, "gap": gap, "ttft_p50": r["ttft"]["p50"], "ttft_p99": r["ttft"]["p99"],
+                     "p50_over_unloaded": r["ttft"]["p50"] / base["median"], "p99_over_longest": r["ttft"]["p99"] / base["longest"],
+                     "tpot_p99_over_p50": r["tpot"]["p99"] / r["tpot"]["p50"], "tpot_p50_ms": 1e3 * r["tpot"]["p50"],
+                     "q_p50": " ".join(f"{q:.3f}" for q in r["ttft_by_length_quartile_p50"]),
+                     "wait_p50": r["before_first_chunk_p50"], "prefill_p50": r["first_chunk_to_token_p50"],
+                     "decode_ms": r["decode_only_ms"], "prefill_step_ms": r["with_prefill_ms"],
+                     "steps": f"{r['decode_only_steps']}+{r['with_prefill_steps']}", "busy_s": r["busy_s"], "hit": r["hit_rate"],
+                     "sim_s": time.perf_counter() - t0})
         log.info("%s: decode-only steps' mean rows and summed context %s", sim.policy, r["decode_only_rows_ctx"])
-        if measured:
-            for k, m in measured["runs"].items():
-                if k.startswith(sim.policy):
-                    st = m["step_intervals"]
-                    rows.append({"policy": "  measured " + k, "ttft_p50": m["ttft_s"]["p50"], "ttft_p99": m["ttft_s"]["p99"],
-                                 "q_p50": " ".join(f"{q['ttft_s']['p50']:.3f}" for q in m["ttft_by_length_quartile"]),
-                                 "decode_ms": st["decode_only"]["mean_ms"], "prefill_step_ms": st["with_prefill"]["mean_ms"],
-                                 "steps": f"{st['decode_only']['steps']}+{st['with_prefill']['steps']}"})
-    print(table(rows, ["policy", "ttft_p50", "ttft_p99", "p50_over_unloaded", "p99_over_longest", "tpot_p50_ms", "tpot_p99_over_p50", "q_p50", "decode_ms", "prefill_step_ms", "steps", "busy_s", "hit", "sim_s"]))
-    write_results("ttft_sim", {"unloaded": base, "model": dataclasses.asdict(model), "rows": rows, "args": vars(a)})
+        if key is not None:
+            m, st = measured["runs"][key], measured["runs"][key]["step_intervals"]
+            rows.append({"policy": "  measured " + key, "gap": gap, "ttft_p50": m["ttft_s"]["p50"], "ttft_p99": m["ttft_s"]["p99"],
+                         "q_p50": " ".join(f"{q['ttft_s']['p50']:.3f}" for q in m["ttft_by_length_quartile"]),
+                         "tpot_p50_ms": 1e3 * m["tpot_s"]["p50"], "tpot_p99_over_p50": m["tpot_s"]["p99"] / m["tpot_s"]["p50"],
+                         "decode_ms": st["decode_only"]["mean_ms"], "prefill_step_ms": st["with_prefill"]["mean_ms"],
+                         "steps": f"{st['decode_only']['steps']}+{st['with_prefill']['steps']}"})
+    print(table(rows, ["policy", "gap", "ttft_p50", "ttft_p99", "p50_over_unloaded", "p99_over_longest", "wait_p50", "prefill_p50",
+                       "tpot_p50_ms", "tpot_p99_over_p50", "q_p50", "decode_ms", "prefill_step_ms", "steps", "busy_s", "hit", "sim_s"]))
+    write_results("ttft_sim", {"unloaded_by_gap": bases, "model": dataclasses.asdict(model), "rows": rows, "args": vars(a)})
 
 
 if __name__ == "__main__":
