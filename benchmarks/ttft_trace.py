@@ -32,7 +32,8 @@ default --late-dispatch), GAP the step buckets' --token-bucket-gap (default the 
 of two), AGING srpf's --prefill-aging-tokens-per-s (per trace second), FINISH on or off:
 --prefill-finish-early. The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must
 give a subset of it (0 under a power-of-two gap does): both ladders are served by one engine, in one run.
-The default compares today's order (fcfs:0) with srpf and a 4096-token cap.
+The default compares fcfs without late dispatch (the engine's order before 2026-12-06) with the GPU
+default since (srpf, aging 7400 tokens/s, finish early, late dispatch).
 
 Unloaded TTFT: the trace's median-length prompt and its longest, each alone on the idle engine
 with an empty cache (--unloaded-repeats runs, the median kept). Reported per policy: TTFT and TPOT
@@ -75,7 +76,7 @@ class TraceBenchConfig:
     tokens_per_block: int = 0  # replay each block as this many tokens, output lengths scaled alike (0 = unscaled)
     num_requests: int = 0  # replay the first N rows (0 = all)
     time_scale: float = 1.0  # multiplies arrival times (and srpf's age bound)
-    policies: str = "fcfs:0,srpf:4096"  # NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]], comma-separated (see above)
+    policies: str = "fcfs:0:1:off,srpf:0:100:on::7400:on"  # NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]], comma-separated (see above)
     unloaded_repeats: int = 3  # runs of each unloaded prompt (the median is kept)
     bench_seed: int = 0  # seeds block tokens
     max_run_s: float = 1800.0  # a run still going after this is stopped and marked incomplete
@@ -90,7 +91,8 @@ class Policy:
 
 
 def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
-    """--policies items; WAIT, AGING and FINISH default to `config`'s (an EngineConfig)."""
+    """--policies items; WAIT, AGING and FINISH default to `config`'s (an EngineConfig; auto: no
+    aging and no finish-early, so an item means what it meant before those existed)."""
     out = []
     for item in spec.split(","):
         parts = item.strip().split(":")
@@ -103,8 +105,8 @@ def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
         wait = float(field(2) or config.max_prefill_wait_s)
         late = None if field(3) is None else field(3) == "on"
         gap = None if field(4) is None else int(field(4))
-        aging = float(field(5) or config.prefill_aging_tokens_per_s)
-        finish = config.prefill_finish_early if field(6) is None else field(6) == "on"
+        aging = float(field(5) or config.prefill_aging_tokens_per_s or 0.0)  # (auto: none, as before it existed)
+        finish = (config.prefill_finish_early == "on") if field(6) is None else field(6) == "on"
         out.append(Policy(item.strip(), PrefillOrder(parts[0], wait * time_scale, cap, (), aging / time_scale, finish),
                           late, gap))
     return out
@@ -129,7 +131,8 @@ def use(engine: Engine, order: PrefillOrder, gap: int) -> None:
     engine.scheduler.prefill_order = dataclasses.replace(order, buckets=ladder_sizes(engine.config, gap))
     engine.config.scheduling_policy, engine.config.max_prefill_wait_s = order.policy, order.max_wait_s
     engine.config.max_prefill_tokens_with_decodes = order.max_prefill_tokens_with_decodes
-    engine.config.prefill_aging_tokens_per_s, engine.config.prefill_finish_early = order.aging_tokens_per_s, order.finish_early
+    engine.config.prefill_aging_tokens_per_s = order.aging_tokens_per_s
+    engine.config.prefill_finish_early = "on" if order.finish_early else "off"
 
 
 def unloaded_ttft(engine: Engine, a: W.Arrival, c: TraceBenchConfig, gap: int) -> dict:

@@ -102,6 +102,24 @@ def test_finishing_steps_give_the_same_outputs_and_fill_a_bucket(policy):
     assert cut and all(finishing[i] and sum(steps[i]) in ladder for i in cut), (steps, finishing)
 
 
+def test_auto_is_the_measured_ttft_order_on_gpus_and_fcfs_elsewhere():
+    from splash_jax.engine.config import EngineConfig
+    from splash_jax.engine.prefill_order import ladder_sizes
+
+    c = EngineConfig(max_num_batched_tokens=8192)
+    gpu, cpu = PrefillOrder.of(c, 1024, "gpu"), PrefillOrder.of(c, 0, "cpu")
+    assert (gpu.policy, gpu.aging_tokens_per_s, gpu.finish_early) == ("srpf", 7400.0, True)
+    assert gpu.buckets == ladder_sizes(c, 1024) and 6144 in gpu.buckets
+    assert (cpu.policy, cpu.aging_tokens_per_s, cpu.finish_early) == ("fcfs", 0.0, False)
+    chosen = EngineConfig(scheduling_policy="fcfs", prefill_aging_tokens_per_s=0.0, prefill_finish_early="off")
+    assert PrefillOrder.of(chosen, 0, "gpu") == PrefillOrder("fcfs", 1.0, 0, ladder_sizes(chosen, 0))
+    assert PrefillOrder.of(EngineConfig(scheduling_policy="srpf"), 0, "cpu").aging_tokens_per_s == 0.0
+    with pytest.raises(ValueError, match="--prefill-finish-early"):
+        EngineConfig(prefill_finish_early="yes").validate()
+    with pytest.raises(ValueError, match="--scheduling-policy"):
+        EngineConfig(scheduling_policy="lifo").validate()
+
+
 def test_fcfs_keeps_admission_and_queue_order():
     order = PrefillOrder()
     running = [req("b", 90, 1.0, computed=10), req("a", 20, 0.0, computed=10)]
@@ -209,7 +227,7 @@ def test_engine_srpf_with_a_cap_gives_fcfs_outputs_and_compiles_nothing():
     model = load_model(DEFAULT_MODEL, RuntimeOptions(dtype="float32", attention_impl="xla"))
     engine = Engine(EngineConfig(page_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_pages=96,
                                  compile_cache_dir=None, scheduling_policy="srpf", max_prefill_wait_s=1e9,
-                                 max_prefill_tokens_with_decodes=8, prefill_finish_early=True), model=model)
+                                 max_prefill_tokens_with_decodes=8, prefill_finish_early="on"), model=model)
     long = "Serving engines batch requests continuously; each step mixes prefill chunks with decode tokens. " * 3
     prompts = [long, "MLA", "Hi there", "x = 1", long[:120], "The quick brown fox"]
     arrivals = [0, 1, 1, 2, 2, 6]

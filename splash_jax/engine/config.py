@@ -62,13 +62,19 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # long prompts prefill in chunks that share steps with decodes
     # Order of prefill work (engine/prefill_order.py): fcfs (running prefills in admission order, then
     # waiting requests in arrival order) | srpf (running and waiting together: preempted requests first,
-    # then those waiting past --max-prefill-wait-s since arrival, oldest first, then fewest prompt tokens left)
-    scheduling_policy: str = "fcfs"
+    # then those waiting past --max-prefill-wait-s since arrival, oldest first, then fewest prompt tokens
+    # left less the aging below) | auto: srpf on GPUs (with the aging and finish-early defaults below and late
+    # dispatch, a Mooncake-shaped trace on one H100 had TTFT p50 -13% and -16%, p99 +3% and -2%, the same
+    # tok/s: docs/performance.md), fcfs elsewhere (not measured there)
+    scheduling_policy: str = "auto"
     max_prefill_wait_s: float = 1.0  # srpf: the age bound above, seconds since the request arrived
-    prefill_aging_tokens_per_s: float = 0.0  # srpf: prompt tokens a waiting request's rank gains per second waited
+    # srpf: prompt tokens a waiting request's rank gains per second waited (None: 7400 on GPUs, about 0.1 s
+    # of an H100's V2-Lite prefill per second waited; 0 elsewhere)
+    prefill_aging_tokens_per_s: float | None = None
     # A step in which prompts finish their prefill takes other prompts' chunks only up to the step bucket
-    # that holds them and the decodes (their first tokens wait for their own work, not a full budget)
-    prefill_finish_early: bool = False
+    # that holds them and the decodes, so their first tokens wait for their own work, not a full budget
+    # (auto: on GPUs, as srpf above; on | off)
+    prefill_finish_early: str = "auto"
     # While any request decodes, a step's tokens stay within the largest step bucket of at most this many
     # prefill tokens plus the decodes' (no padding to the next bucket), so decodes never wait behind a full
     # --max-num-batched-tokens prefill chunk (0 = no cap); steps without decodes use the whole budget.
@@ -103,10 +109,11 @@ class EngineConfig:
     first_token_wait_max_requests: int = 8
     # While a long prefill step runs (engine/dispatch_timing.py), the next step is scheduled only
     # shortly before it is predicted to end, so requests arriving meanwhile join it instead of waiting
-    # for it too (auto: on accelerators; off on CPU, where the "device" shares the host's cores). Off by
-    # default: on the Mooncake-shaped trace (one H100) it moved TTFT p50 by 0% under fcfs and -7% under
-    # srpf, with srpf's p99 +23% (docs/performance.md, "Prefill order and chunk budget").
-    late_dispatch: str = "off"
+    # for it too (auto: on accelerators; off on CPU, where the "device" shares the host's cores). Its
+    # step times are a fit to tokens, depth and decodes; with srpf, aging and finish-early it is part of
+    # the GPU default above (alone, with the older cheapest-rate prediction, it moved TTFT p50 by 0% under
+    # fcfs: docs/performance.md, "Prefill order and chunk budget").
+    late_dispatch: str = "auto"
     # Speculative decoding: off | ngram (drafts from the request's own prompt and output, prompt
     # lookup; no model) | mtp (drafts from the checkpoint's multi-token-prediction layer, DeepSeek-V3's
     # num_nextn_predict_layers, chained K times; loaded only then, its latents in an extra pool layer:
@@ -220,6 +227,19 @@ class EngineConfig:
         if self.fused_sampler_max_tokens is None:
             return 8 if platform == "gpu" else 0
         return self.fused_sampler_max_tokens
+
+    def resolved_prefill_order(self, platform: str) -> tuple[str, float, bool]:
+        """(policy, aging tokens per second, finish early) with auto resolved: srpf, 7400, on on GPUs;
+        fcfs, 0, off elsewhere (see scheduling_policy)."""
+        if self.scheduling_policy not in ("auto", "fcfs", "srpf"):
+            raise ValueError(f"--scheduling-policy must be auto, fcfs or srpf, got {self.scheduling_policy!r}")
+        gpu = platform == "gpu"
+        policy = ("srpf" if gpu else "fcfs") if self.scheduling_policy == "auto" else self.scheduling_policy
+        aging = (7400.0 if gpu else 0.0) if self.prefill_aging_tokens_per_s is None else self.prefill_aging_tokens_per_s
+        if self.prefill_finish_early not in ("auto", "on", "off"):
+            raise ValueError(f"--prefill-finish-early must be auto, on or off, got {self.prefill_finish_early!r}")
+        finish = gpu if self.prefill_finish_early == "auto" else self.prefill_finish_early == "on"
+        return policy, aging, finish
 
     def resolved_token_bucket_gap(self, platform: str) -> int:
         """None (auto): 1024 tokens on GPUs, 0 (buckets double) elsewhere (see token_bucket_gap)."""

@@ -168,7 +168,7 @@ class EngineCore(DeviceSteps, SpeculationControl):
             self.max_model_len, self.pages_per_request, self.eos_ids, config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching,
             balance_pages=int(config.prefix_balance_fraction * per_device),
-            max_logits_rows=self.max_logits_rows, prefill_order=PrefillOrder.of(config, executor_args["ladder"][3]),
+            max_logits_rows=self.max_logits_rows, prefill_order=PrefillOrder.of(config, executor_args["ladder"][3], backend),
         )
         self.mtp_drafter = MtpDrafter(k) if mtp else None  # drafts the device computed, by request
         self._custom_drafter = None  # set_speculative("custom", k, drafter)

@@ -67,11 +67,12 @@ class PrefillOrder:
             raise ValueError(f"--prefill-aging-tokens-per-s must be >= 0, got {self.aging_tokens_per_s}")
 
     @classmethod
-    def of(cls, config, gap: int = 0) -> PrefillOrder:
-        """From an EngineConfig's scheduling_policy, max_prefill_wait_s, max_prefill_tokens_with_decodes
-        and its step ladder (gap: the resolved --token-bucket-gap)."""
-        return cls(config.scheduling_policy, config.max_prefill_wait_s, config.max_prefill_tokens_with_decodes,
-                   ladder_sizes(config, gap), config.prefill_aging_tokens_per_s, config.prefill_finish_early)
+    def of(cls, config, gap: int = 0, platform: str = "cpu") -> PrefillOrder:
+        """From an EngineConfig (its prefill settings as resolved on `platform`, and its step ladder;
+        gap: the resolved --token-bucket-gap)."""
+        policy, aging, finish = config.resolved_prefill_order(platform)
+        return cls(policy, config.max_prefill_wait_s, config.max_prefill_tokens_with_decodes, ladder_sizes(config, gap),
+                   aging, finish)
 
     def key(self, request, now: float) -> tuple:
         """srpf's rank of a request (smaller first): (tier, then within the tier)."""
