@@ -96,8 +96,8 @@ def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
     out = []
     for item in spec.split(","):
         parts = item.strip().split(":")
-        if (not 1 <= len(parts) <= 7 or not parts[0] or len(parts) >= 4 and parts[3] not in ("on", "off")
-                or len(parts) >= 7 and parts[6] not in ("on", "off")):
+        if (not 1 <= len(parts) <= 7 or not parts[0] or len(parts) >= 4 and parts[3] not in ("on", "off", "")
+                or len(parts) >= 7 and parts[6] not in ("on", "off", "")):
             raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] items (LATE, FINISH on "
                              f"or off; a field left empty takes its default), got {item!r}")
         field = lambda i: parts[i] if len(parts) > i and parts[i] else None  # noqa: E731
