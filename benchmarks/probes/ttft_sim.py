@@ -36,9 +36,9 @@ import numpy as np
 from benchmarks import workloads as W
 from benchmarks.common import percentiles, read_json, table, write_results
 from benchmarks.ttft_trace import parse_policies
-from splash_jax.calibration import attended_keys
 from splash_jax.engine import scheduler as scheduler_module
 from splash_jax.engine.config import EngineConfig
+from splash_jax.engine.dispatch_timing import prefill_pairs
 from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.request import Request, SamplingParams
 from splash_jax.engine.scheduler import Scheduler
@@ -116,7 +116,7 @@ def _replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.N
             prompt = [c for c in chunks if c not in decode]
             tokens = sum(c.num_tokens for c in chunks)
             bucket = next(b for b in ladder if b >= tokens)
-            t = model.seconds(bucket, sum(c.end for c in decode), sum(attended_keys(c.start, c.num_tokens) for c in prompt))
+            t = model.seconds(bucket, sum(c.end for c in decode), prefill_pairs(prompt))
             start = max(now + model.host_s, end_prev)
             end_prev = start + t
             intervals["with_prefill" if prompt else "decode_only"].append(t)

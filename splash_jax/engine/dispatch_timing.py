@@ -94,7 +94,8 @@ class DispatchTiming:
             return
         step.dispatch_end = self.clock()
         step.prefill_tokens, decode = classify(step.chunks)
-        step.features = (1.0, float(step.prefill_tokens), prefill_pairs(step.chunks) / 1e6, float(decode))
+        if step.prefill_tokens >= self.config.min_prefill_tokens:  # only long steps are timed or waited on
+            step.features = (1.0, float(step.prefill_tokens), prefill_pairs(step.chunks) / 1e6, float(decode))
         self._host.append(host_s)
         if self._wait_from is not None:  # the loop waited on delay_s before this step
             self.waited_s += step.dispatch_end - host_s - self._wait_from
