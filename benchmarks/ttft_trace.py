@@ -27,9 +27,9 @@ every run starting with an empty prefix cache, greedy with ignore_eos to each ro
 field takes its default): NAME fcfs or srpf,
 CAP the prefill tokens a step may take while requests decode (0: no cap; default 0), WAIT srpf's age
 bound in trace seconds (default --max-prefill-wait-s), multiplied by --time-scale as arrival
-times are, LATE on or off: late dispatch behind long prefill steps (engine/dispatch_timing.py;
-default --late-dispatch), GAP the step buckets' --token-bucket-gap (default the engine's; 0: powers
-of two), AGING srpf's --prefill-aging-tokens-per-s (per trace second), FINISH on or off:
+times are, LATE on, off or long: late dispatch (engine/dispatch_timing.py; default --late-dispatch;
+long: the earlier rule, long prefill steps only, the lead from the whole dispatch), GAP the step
+buckets' --token-bucket-gap (default the engine's; 0: powers of two), AGING srpf's --prefill-aging-tokens-per-s (per trace second), FINISH on or off:
 --prefill-finish-early. The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must
 give a subset of it (0 under a power-of-two gap does): both ladders are served by one engine, in one run.
 The default compares fcfs without late dispatch (the engine's order before 2026-12-06) with the GPU
@@ -56,7 +56,7 @@ from benchmarks.common import build_engine as common_build_engine
 from benchmarks.common import parse_engine_and_bench, percentiles, table, write_results
 from benchmarks.dynamic import serve, summarize
 from splash_jax.engine import Engine, EngineConfig
-from splash_jax.engine.dispatch_timing import DispatchTiming
+from splash_jax.engine.dispatch_timing import DispatchTiming, DispatchTimingConfig
 from splash_jax.engine.prefill_order import PrefillOrder, ladder_sizes
 from splash_jax.engine.step_timeline import StepTimeline
 
@@ -86,8 +86,14 @@ class TraceBenchConfig:
 class Policy:
     name: str  # as given in --policies
     order: PrefillOrder
-    late: bool | None  # None: --late-dispatch
+    late: str | None  # on | off | long (LATE_RULES); None: --late-dispatch
     gap: int | None  # None: --token-bucket-gap
+
+
+# LATE: late dispatch's rules (engine/dispatch_timing.py); long: those of 2026-12-06 (long prefill
+# steps only, held until 1.5x the whole dispatch's host time before their predicted end)
+LATE_RULES = {"on": DispatchTimingConfig(), "off": DispatchTimingConfig(),
+              "long": DispatchTimingConfig(min_step_s=0.02, short_steps=False, lead_from_launch=False)}
 
 
 def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
@@ -96,14 +102,14 @@ def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
     out = []
     for item in spec.split(","):
         parts = item.strip().split(":")
-        if (not 1 <= len(parts) <= 7 or not parts[0] or len(parts) >= 4 and parts[3] not in ("on", "off", "")
+        if (not 1 <= len(parts) <= 7 or not parts[0] or len(parts) >= 4 and parts[3] not in (*LATE_RULES, "")
                 or len(parts) >= 7 and parts[6] not in ("on", "off", "")):
-            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] items (LATE, FINISH on "
-                             f"or off; a field left empty takes its default), got {item!r}")
+            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] items (LATE on, off or "
+                             f"long, FINISH on or off; a field left empty takes its default), got {item!r}")
         field = lambda i: parts[i] if len(parts) > i and parts[i] else None  # noqa: E731
         cap = int(field(1) or 0)
         wait = float(field(2) or config.max_prefill_wait_s)
-        late = None if field(3) is None else field(3) == "on"
+        late = field(3)
         gap = None if field(4) is None else int(field(4))
         aging = float(field(5) or config.prefill_aging_tokens_per_s or 0.0)  # (auto: none, as before it existed)
         finish = (config.prefill_finish_early == "on") if field(6) is None else field(6) == "on"
@@ -159,11 +165,11 @@ def by_quartile(records) -> list[dict]:
     return out
 
 
-def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrder, late: bool, gap: int,
+def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrder, late: str, gap: int,
         c: TraceBenchConfig) -> dict:
     use(engine, order, gap)
     engine.timeline = StepTimeline()  # this run's step intervals only
-    engine.dispatch_timing = DispatchTiming(late)  # and its own step timings
+    engine.dispatch_timing = DispatchTiming(late != "off", LATE_RULES[late])  # and its own step timings
     t0 = time.perf_counter()
     s = serve(engine, arrivals, c.bench_seed, "on", c.max_run_s, name)
     out = summarize(s.records, s.samples, s.preemptions, [])
@@ -198,6 +204,7 @@ def rows_of(results: dict, unloaded_by_gap: dict) -> list[dict]:
             "tpot_p99_over_p50": ratio(tpot["p99"], tpot["p50"]),
             "step_p99_ms": (steps.get("with_prefill") or {}).get("p99_ms"),
             "late_waits": r["late_dispatch"]["waits"] if r["late_dispatch"]["enabled"] else "off",
+            "idle_launches": r["late_dispatch"].get("idle_launches"),
             "hit_rate": r["hit_rate"], "preempt": r["preemptions"], "done": f"{r['completed']}/{r['requests']}",
             "same_outputs": sum(a == b for a, b in zip(r["outputs"], first["outputs"])),
         })
@@ -205,7 +212,7 @@ def rows_of(results: dict, unloaded_by_gap: dict) -> list[dict]:
 
 
 COLUMNS = ["policy", "gap", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "tok_s", "ttft_p50_over_unloaded_median",
-           "ttft_p99_over_unloaded_longest", "tpot_p99_over_p50", "step_p99_ms", "late_waits", "hit_rate", "preempt", "done",
+           "ttft_p99_over_unloaded_longest", "tpot_p99_over_p50", "step_p99_ms", "late_waits", "idle_launches", "hit_rate", "preempt", "done",
            "same_outputs"]
 
 
@@ -239,7 +246,7 @@ def main(argv=None):
         log.info("unloaded TTFT, gap %d: median-length prompt (%d tokens) %.4g s, longest (%d tokens) %.4g s", gap,
                  u["median"]["prompt_len"], u["median"]["ttft_s"], u["longest"]["prompt_len"], u["longest"]["ttft_s"])
     results = {}
-    default_late = engine.dispatch_timing.enabled  # --late-dispatch, for policies without LATE
+    default_late = "on" if engine.dispatch_timing.enabled else "off"  # --late-dispatch, for policies without LATE
     for p in policies:
         gap = compiled_gap(engine) if p.gap is None else p.gap
         results[p.name] = r = run(engine, arrivals, p.name, p.order, default_late if p.late is None else p.late, gap, c)

@@ -23,9 +23,13 @@ class Step:
     start: float = 0.0
     end: float = 0.0
     depth: int = 0  # where its chunk starts in its prompt
+    decode_ctx: tuple = ()  # a decode step: each row's context (tokens before its new one)
 
     @property
-    def chunks(self):  # one prompt chunk of `tokens` tokens, as step_timeline.classify reads it
+    def chunks(self):  # one prompt chunk of `tokens` tokens, or decode rows, as dispatch_timing.tally reads them
+        if self.decode_ctx:
+            request = types.SimpleNamespace(prompt_ids=range(1))
+            return [types.SimpleNamespace(request=request, start=c, end=c + 1) for c in self.decode_ctx]
         request = types.SimpleNamespace(prompt_ids=range(self.depth + self.tokens + 1))
         return [types.SimpleNamespace(request=request, start=self.depth, end=self.depth + self.tokens)]
 
@@ -38,9 +42,19 @@ class Clock:
         return self.t
 
 
-def simulate(late: bool, n: int = 40, host_s: float = 0.004, seed: int = 0, steps=None, config=None):
-    """A driver loop as the engine's: dispatch (host_s of host time), then read back the step
-    before. Device time per token varies by up to 1.6x between steps, at random (default `steps`).
+class Done:
+    """What `DispatchTiming.launching` reads of the step in flight: result.tokens.is_ready()."""
+
+    def __init__(self, ready: bool):
+        self.result = types.SimpleNamespace(tokens=types.SimpleNamespace(is_ready=lambda: ready))
+
+
+def simulate(late: bool, n: int = 40, host_s: float = 0.004, seed: int = 0, steps=None, config=None, launch_s: float = 0.0,
+             read_s: float = 0.0):
+    """A driver loop as the engine's: schedule and pack (host_s), launch (launch_s more of host
+    time, while the device already runs the step's first kernels), then read back the step before
+    (read_s: host time to read its tokens, blocked or not).
+    Device time per token varies by up to 1.6x between steps, at random (default `steps`).
     -> (steps, idle gaps between consecutive steps on the device, timing)."""
     rng = np.random.default_rng(seed)
     clock = Clock()
@@ -52,13 +66,17 @@ def simulate(late: bool, n: int = 40, host_s: float = 0.004, seed: int = 0, step
             delay = timing.delay_s(inflight)
             assert delay >= 0.0
             clock.t += delay  # the loop waits for arrivals
-        clock.t += host_s  # schedule + dispatch
-        timing.dispatched(s, host_s)
+        clock.t += host_s  # schedule + pack
+        if inflight is not None:
+            inflight.result = Done(inflight.end <= clock.t).result
+        timing.launching(inflight)
+        s.start = max(clock.t, device_free)  # the device starts on its first kernels
+        clock.t += launch_s  # the rest of the launch
+        timing.dispatched(s, host_s + launch_s)
         s.sent = clock.t
-        s.start = max(clock.t, device_free)
         s.end = device_free = s.start + s.device_s
-        if inflight is not None:  # read back the step before: block until it ends
-            waited = max(0.0, inflight.end - clock.t)
+        if inflight is not None:  # read back the step before: block until it ends, then read its tokens
+            waited = max(0.0, inflight.end - clock.t) + read_s
             clock.t += waited
             timing.completed(inflight, waited)
         inflight = s
@@ -123,9 +141,9 @@ def test_idle_time_before_a_step_never_counts_as_its_device_time():
     assert timing.summary()["min_ms_per_1k_prefill_tokens"] == pytest.approx(0.05 / 4096 * 1e6, abs=1e-3)
 
 
-def test_short_steps_and_cold_starts_are_never_waited_on():
+def test_steps_predicted_short_and_cold_starts_are_never_waited_on():
     clock = Clock()
-    timing = DispatchTiming(True, DispatchTimingConfig(min_samples=2), clock=clock)
+    timing = DispatchTiming(True, DispatchTimingConfig(min_samples=2, min_step_s=0.02), clock=clock)
     long = Step(8192, 0.1)
     timing.dispatched(long, 0.002)
     assert timing.delay_s(long) == 0.0  # nothing timed yet
@@ -136,7 +154,7 @@ def test_short_steps_and_cold_starts_are_never_waited_on():
         timing.completed(s, 0.1)
     decode = Step(64, 0.01)
     timing.dispatched(decode, 0.002)
-    assert timing.delay_s(decode) == 0.0  # too few prefill tokens
+    assert timing.delay_s(decode) == 0.0  # a short step, its own fit not there yet
     small = Step(1024, 0.0125)
     timing.dispatched(small, 0.002)
     assert timing.delay_s(small) == 0.0  # predicted under min_step_s
@@ -172,3 +190,86 @@ def test_a_replay_with_late_dispatch_gives_the_same_outputs():
     assert [r.tokens for r in late.records] == [6] * 10
     assert late.outputs == plain.outputs
     assert waits > 0  # it did hold steps back
+
+
+def test_the_lead_counts_host_time_up_to_the_launch_only():
+    """A step's launch takes 10 ms of host time after its 2 ms of packing, while the device already
+    runs its first kernels: a lead from the launch dispatches ~15 ms closer to the end than a lead
+    from the whole dispatch, and the device still never idles."""
+    launch, whole = (simulate(True, host_s=0.002, launch_s=0.010, config=DispatchTimingConfig(lead_from_launch=f))
+                     for f in (True, False))
+    for steps, gaps, timing in (launch, whole):
+        assert max(gaps) < 1e-12 and timing.idle_launches == 0
+    assert launch[2].lead_s() == pytest.approx(1.5 * 0.002 + 0.002)
+    assert whole[2].lead_s() == pytest.approx(1.5 * 0.012 + 0.002)
+
+    def sent_before_end(steps):
+        return np.median([a.end - b.sent for a, b in zip(steps[20:], steps[21:])])
+
+    assert 0.012 < sent_before_end(whole[0]) - sent_before_end(launch[0]) < 0.02  # the leads differ by 15 ms
+
+
+def test_a_held_step_that_finds_the_device_idle_lengthens_the_lead():
+    """Steps get 2x faster after 30 steps (predictions far too long): held steps find the device
+    idle at their launch and are not timed, the backoff outgrows the error within a few steps, the
+    fit learns the fast steps, and the backoff shrinks again once launches find the device busy."""
+    rng = np.random.default_rng(2)
+    steps = [Step(8192, 0.2 * rng.uniform(0.99, 1.01) * (1.0 if i < 30 else 0.5)) for i in range(200)]
+    _, gaps, timing = simulate(True, steps=steps, config=DispatchTimingConfig(history=8, fit_samples=6), read_s=2e-4)
+    assert max(gaps[:30]) < 1e-12  # idle only after the change
+    idle = [i for i, g in enumerate(gaps) if g > 1e-9]
+    assert idle and min(idle) >= 30 and len(idle) <= 12 and timing.idle_after_wait == timing.idle_launches == len(idle)
+    assert max(gaps[60:]) < 1e-12
+    assert timing.backoff_s < 0.005  # shrunk back
+    assert timing.summary()["kinds"]["long"]["fit_ms"][1] * 8192 < 110  # ms: the fast steps' time
+
+
+def test_a_step_found_done_at_the_next_launch_is_not_timed():
+    """Reading a finished step's tokens takes host time (read_s, counted as blocked); a held step
+    whose prediction is a little long leaves that step done at the next launch: timing it from its
+    start to now would count the idle time and the launch, and each hold would grow the next."""
+    steps = [Step(0, 0.015, decode_ctx=(4096,) * 20) for _ in range(300)]
+    _, gaps, timing = simulate(True, steps=steps, host_s=0.002, launch_s=0.003, read_s=3e-3)
+    short = timing.summary()["kinds"]["short"]
+    assert short["timed"] > 0 and timing.predicted_s(steps[-1]) <= 0.015 + 1e-9
+    assert sum(gaps) < 0.05 * sum(s.device_s for s in steps)
+
+
+def test_short_steps_are_fitted_and_held_on_their_own():
+    """Decode steps of 8-40 rows at 2K-16K tokens of context (device time 5 ms + 0.2 ms per row +
+    0.5 us per context token, 9-30 ms) between long prefill steps: once 16 are timed each is held
+    until shortly before the step in flight ends, and the device never idles."""
+    rng = np.random.default_rng(3)
+
+    def steps():
+        out = []
+        for i in range(120):
+            ctx = tuple(int(c) for c in rng.integers(2048, 16_384, int(rng.integers(8, 41))))
+            out.append(Step(8192, 0.1) if i % 10 == 0 else Step(0, 0.005 + 2e-4 * len(ctx) + 5e-7 * (sum(ctx) + len(ctx)), decode_ctx=ctx))
+        return out
+
+    held, gaps, timing = simulate(True, steps=steps(), host_s=0.001)
+    off, _, _ = simulate(True, steps=steps(), host_s=0.001, config=DispatchTimingConfig(short_steps=False))
+    assert max(gaps) < 1e-12 and timing.idle_launches == 0
+    short = timing.summary()["kinds"]["short"]
+    assert short["timed"] >= 16 and short["fit_ms"][1] == pytest.approx(0.2, rel=0.02)  # ms per decode token
+    assert short["fit_ms"][2] == pytest.approx(500.0, rel=0.02)  # ms per 1M context tokens
+
+    def ahead(run):  # how long before the step in flight (a decode step) ended the next one went out
+        return np.array([a.end - b.sent for a, b in zip(run[40:], run[41:]) if a.decode_ctx])
+
+    assert np.all(ahead(held) <= [timing.lead_s(a.device_s) + 1e-3 for a in held[40:-1] if a.decode_ctx])
+    assert np.median(ahead(held)) < 0.5 * np.median(ahead(off))
+
+
+def test_a_fit_of_narrow_steps_never_holds_longer_than_any_step_timed():
+    """The trace's start: single-row decode steps (3-5 ms, the context growing), then 40-row ones
+    (15 ms). A fit of the single-row steps alone extrapolates the context's cost to the 40 rows'
+    far past anything timed (on one H100 it held decode steps for ~1 s, and those steps, idling the
+    device, were never timed to correct it): predictions are capped at the longest step timed."""
+    rng = np.random.default_rng(4)
+    steps = [Step(0, 0.003 + 4e-7 * (1000 + 8 * i) + rng.normal(0, 1e-4), decode_ctx=(1000 + 8 * i,)) for i in range(40)]
+    steps += [Step(0, 0.015, decode_ctx=tuple(int(c) for c in rng.integers(4000, 12000, 40))) for _ in range(100)]
+    _, gaps, timing = simulate(True, steps=steps, host_s=0.001, config=DispatchTimingConfig(min_step_s=0.004))
+    assert sum(gaps) < 0.1  # s, against 1.5 s of device time
+    assert max(gaps[60:]) < 1e-12

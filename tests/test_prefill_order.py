@@ -302,9 +302,11 @@ def test_the_trace_benchmark_reads_policy_items_with_empty_fields_as_their_defau
     from benchmarks.ttft_trace import parse_policies
     from splash_jax.engine.config import EngineConfig
 
-    old, new, fcfs = parse_policies("srpf:0:1:on,srpf:0:100:on::7400:on,fcfs:4096:::0", EngineConfig(), 2.0)
-    assert old.order == PrefillOrder("srpf", 2.0) and old.late is True and old.gap is None  # as before AGING/FINISH
+    old, new, fcfs, long = parse_policies("srpf:0:1:on,srpf:0:100:on::7400:on,fcfs:4096:::0,srpf:0:1:long", EngineConfig(), 2.0)
+    assert old.order == PrefillOrder("srpf", 2.0) and old.late == "on" and old.gap is None  # as before AGING/FINISH
     assert new.order == PrefillOrder("srpf", 200.0, 0, (), 3700.0, True)  # ages per trace second: / time scale
     assert fcfs.order == PrefillOrder("fcfs", 2.0, 4096) and fcfs.late is None and fcfs.gap == 0
-    with pytest.raises(SystemExit):
-        parse_policies("srpf:0:1:on::10:maybe", EngineConfig(), 1.0)
+    assert long.late == "long"  # late dispatch by the rules of 2026-12-06
+    for bad in ("srpf:0:1:on::10:maybe", "srpf:0:1:early"):
+        with pytest.raises(SystemExit):
+            parse_policies(bad, EngineConfig(), 1.0)

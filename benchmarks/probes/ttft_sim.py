@@ -35,7 +35,7 @@ import numpy as np
 
 from benchmarks import workloads as W
 from benchmarks.common import percentiles, read_json, table, write_results
-from benchmarks.ttft_trace import parse_policies
+from benchmarks.ttft_trace import LATE_RULES, parse_policies
 from splash_jax.engine import scheduler as scheduler_module
 from splash_jax.engine.config import EngineConfig
 from splash_jax.engine.dispatch_timing import prefill_pairs
@@ -69,13 +69,13 @@ class StepModel:
 class Sim:
     policy: str
     order: PrefillOrder
-    late: bool
+    late: str  # on | off | long (benchmarks/ttft_trace.py's LATE_RULES)
 
 
 def parse(spec: str, budget: int, gap: int, config: EngineConfig) -> list[Sim]:
     """benchmarks/ttft_trace.py's --policies items (GAP is the probe's --gap; LATE defaults to off)."""
     ladder = tuple(b.tokens for b in bucket_ladder(budget, 1, 8, gap))
-    return [Sim(p.name, dataclasses.replace(p.order, buckets=ladder), bool(p.late)) for p in parse_policies(spec, config, 1.0)]
+    return [Sim(p.name, dataclasses.replace(p.order, buckets=ladder), p.late or "off") for p in parse_policies(spec, config, 1.0)]
 
 
 def replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.Namespace) -> dict:
@@ -97,7 +97,8 @@ def _replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.N
     ctx = []  # decode-only steps: (rows, summed context)
     nxt, now, inflight, end_prev = 0, 0.0, None, 0.0  # inflight: (chunks, end time)
     while nxt < n or s.has_work() or inflight:
-        if sim.late and inflight is not None and inflight[1] - now > 0.02:
+        if sim.late != "off" and inflight is not None and inflight[2] >= LATE_RULES[sim.late].min_step_s and (
+                sim.late == "on" or inflight[3]):  # long: only long prefill steps were held
             now = max(now, inflight[1] - model.lead_s)
         if not s.has_work() and inflight is None and nxt < n:
             now = max(now, arrivals[nxt].t)
@@ -122,12 +123,12 @@ def _replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.N
             intervals["with_prefill" if prompt else "decode_only"].append(t)
             if not prompt:
                 ctx.append((len(decode), sum(c.end for c in decode)))
-            step = (chunks, end_prev)
+            step = (chunks, end_prev, t, sum(c.num_tokens for c in prompt) >= LATE_RULES["long"].min_prefill_tokens)
             for c in prompt:
                 i = int(c.request.request_id)
                 begun[i] = start if begun[i] is None else begun[i]
         if inflight is not None:
-            chunks_done, end = inflight
+            chunks_done, end = inflight[:2]
             now = max(now, end)
             sampling = [c for c in chunks_done if c.samples]
             for u in s.update(chunks_done, list(range(len(sampling))), np.full(len(sampling), 5)):
@@ -153,9 +154,16 @@ def _replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.N
             "hit_rate": s.cache_stats.as_dict()["hit_rate"]}
 
 
+def late_rule(key: str, measured: dict) -> str:
+    """A measured run's LATE: "on" in a run from before the short steps (no idle_launches) meant "long"."""
+    parts = key.split(":")
+    late = parts[3] if len(parts) > 3 else ""
+    return "long" if late == "on" and "idle_launches" not in measured.get("late_dispatch", {}) else late
+
+
 def unloaded(x: W.Arrival, model: StepModel, a: argparse.Namespace) -> float:
     alone = dataclasses.replace(x, t=0.0, output_len=1)
-    r = replay([alone], Sim("alone", PrefillOrder(buckets=tuple(b.tokens for b in bucket_ladder(a.budget, 1, 8, a.gap))), False), model, a)
+    r = replay([alone], Sim("alone", PrefillOrder(buckets=tuple(b.tokens for b in bucket_ladder(a.budget, 1, 8, a.gap))), "off"), model, a)
     return r["ttft"]["p50"]
 
 
@@ -180,7 +188,7 @@ def main(argv=None):
     by_len = sorted(arrivals, key=lambda x: x.prompt_len)
     measured = read_json(a.validate) if a.validate else None
     if measured:  # each measured run under its own ladder, its GAP field dropped from the policy
-        runs = [(k, m.get("token_bucket_gap", 0), ":".join(k.split(":")[:4] + [""] + k.split(":")[5:]).rstrip(":"))
+        runs = [(k, m.get("token_bucket_gap", 0), ":".join(k.split(":")[:3] + [late_rule(k, m), ""] + k.split(":")[5:]).rstrip(":"))
                 for k, m in measured["runs"].items()]  # (runs before the gap existed: powers of two)
     else:
         runs = [(None, a.gap, item) for item in a.policies.split(",")]

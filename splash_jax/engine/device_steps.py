@@ -113,6 +113,7 @@ class DeviceSteps:
             keep = self.mtp is not None and self._mtp_keeps(chunks)
             drafted = self.mtp is not None and (
                 keep or self.executor.returns_logits(bucket, full, move is not None, expanded, constrained))
+            self.dispatch_timing.launching(previous)  # (late dispatch: host time to the launch; an idle device)
             out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained,
                                     drafted=drafted)
             if self.mtp is not None:

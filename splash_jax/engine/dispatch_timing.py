@@ -36,6 +36,23 @@ Under fcfs an arrival queues behind the prefill work already waiting, so joining
 earlier rarely changes when its own chunk runs. The trace replayed through the scheduler with
 modelled steps (benchmarks/probes/ttft_sim.py) puts srpf's p50 at 0.212 / 0.237 / 0.263 s with a
 lead of 4 ms / 60 ms / no late dispatch: how late the dispatch comes decides what it is worth.
+
+Since the evening of 2026-12-06 (the lead was ~45-55 ms on the trace's ~120 ms steps, and the model put ~10% of
+TTFT p50 in it):
+- the lead counts the host time until a step's launch (schedule, copy-on-write pages, pack), not
+  its whole dispatch: the program's kernels are enqueued while the device runs the first ones, so
+  the device waits only for what comes before the launch;
+- `launching` checks, just before each launch, whether the step in flight has already ended. Such a
+  step is not timed (its end is unknown: counting to now would count idle time, lengthen the
+  predictions and so the holds; on one H100 that fed back until held decode steps took 1 s). A held
+  step that finds the device idle grows a backoff added to the lead (x 1.5 + 2 ms: steps that got
+  much faster than their fit are untimed while they idle the device, so it must outgrow any error),
+  and each held step that finds it busy shrinks it by 5% (`summary()`: `idle_launches`,
+  `idle_after_wait`, `backoff_ms`);
+- short steps (decode-only steps, small prefills) are timed too, on a fit of their own (decode
+  tokens, the context they read, prefill tokens, a constant), and held back when predicted to run
+  `min_step_s` or longer: an arrival during decode steps (~15 ms each on the trace) joined the step
+  after the next one, since each was dispatched a whole step ahead.
 """
 
 from __future__ import annotations
@@ -47,21 +64,28 @@ import time
 import numpy as np
 
 from splash_jax.calibration import attended_keys
-from splash_jax.engine.step_timeline import classify
 
 MODES = ("auto", "on", "off")
+LONG, SHORT = "long", "short"  # step kinds, each timed and fitted on its own
 
 
 @dataclasses.dataclass(frozen=True)
 class DispatchTimingConfig:
-    min_prefill_tokens: int = 1024  # steps with fewer prefill tokens are neither timed nor waited on
-    min_step_s: float = 0.02  # a step predicted shorter than this is not waited on
-    lead_margin: float = 1.5  # times the longest recent host time to schedule and dispatch a step
+    min_prefill_tokens: int = 1024  # a step with this many prefill tokens is long (its own fit); others are short
+    min_step_s: float = 0.01  # a step predicted shorter than this is not waited on
+    short_steps: bool = True  # short steps are timed and waited on too (False: long steps only, as before)
+    lead_from_launch: bool = True  # the lead counts host time up to the launch (False: the whole dispatch)
+    lead_margin: float = 1.5  # times the longest recent host time to schedule and launch a step
     lead_floor_s: float = 0.002  # added to the lead
     lead_fraction: float = 0.1  # of the predicted device time, added to the lead
+    idle_backoff_s: float = 0.002  # a held step that finds the device idle at its launch: backoff x 1.5 + this
+    max_backoff_s: float = 1.0  # the most the backoff grows to (a step longer than any: no hold)
+    backoff_decay: float = 0.95  # the backoff's factor per held step that finds the device busy
     history: int = 64  # steps remembered per kind
     min_samples: int = 4  # long steps timed before any wait
-    fit_samples: int = 16  # long steps timed before the fit is used (before: the cheapest rate alone)
+    fit_samples: int = 16  # steps of a kind timed before its fit is used (long steps before: the cheapest rate)
+    refit_every: int = 4  # timed steps of a kind between refits (a refit costs ~40 us of host time)
+    min_wait_s: float = 0.001  # a step is timed only if the host blocked this long for its tokens
 
 
 def resolved(mode: str, backend: str) -> bool:
@@ -71,6 +95,49 @@ def resolved(mode: str, backend: str) -> bool:
     return backend != "cpu" if mode == "auto" else mode == "on"
 
 
+class _Timed:
+    """The recent steps of one kind: (features, device seconds), their least-squares fit, and the
+    host time up to their launch."""
+
+    def __init__(self, config: DispatchTimingConfig):
+        self.config = config
+        self.samples: collections.deque[tuple[tuple[float, ...], float]] = collections.deque(maxlen=config.history)
+        self.host: collections.deque[float] = collections.deque(maxlen=16)
+        self.fit: tuple[np.ndarray, float] | None = None  # (coefficients, residual std)
+        self.longest = 0.0  # the longest device time among the samples at the last refit
+        self._since_fit = 0
+
+    def add(self, features: tuple[float, ...], seconds: float) -> None:
+        self.samples.append((features, seconds))
+        self._since_fit += 1
+        if len(self.samples) >= self.config.fit_samples and (self.fit is None or self._since_fit >= self.config.refit_every):
+            self._refit()
+
+    def _refit(self) -> None:
+        self._since_fit = 0
+        x = np.array([f for f, _ in self.samples])
+        y = np.array([d for _, d in self.samples])
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-9)  # columns of comparable size
+        coef = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
+        residual = y - x @ coef
+        self.fit = (coef, float(np.sqrt(residual @ residual / max(1, len(y) - x.shape[1]))))
+        self.longest = float(y.max())
+
+    def predicted(self, features: tuple[float, ...]) -> float | None:
+        """The fit less one residual deviation, never more than the longest step timed: a fit that
+        extrapolates cannot hold the loop longer than any step seen."""
+        if self.fit is None or not features:
+            return None
+        coef, sd = self.fit
+        return min(float(np.dot(coef, features)) - sd, self.longest)
+
+    def summary(self) -> dict | None:
+        host = sorted(self.host)
+        return {"timed": len(self.samples), "fit_ms": None if self.fit is None else [round(float(c) * 1e3, 4) for c in self.fit[0]],
+                "residual_sd_ms": None if self.fit is None else round(self.fit[1] * 1e3, 3),
+                "host_to_launch_ms": {"p50": round(host[len(host) // 2] * 1e3, 3), "max": round(host[-1] * 1e3, 3)} if host else None}
+
+
 class DispatchTiming:
     """Device times of recent steps and the delay before the next dispatch (module docstring)."""
 
@@ -78,73 +145,113 @@ class DispatchTiming:
         self.enabled = enabled
         self.config = config or DispatchTimingConfig()
         self.clock = clock or time.perf_counter
-        # (features: 1, prefill tokens, query-key pairs / 1e6, decode rows; device s)
-        self._timed: collections.deque[tuple[tuple[float, ...], float]] = collections.deque(maxlen=self.config.history)
-        self._fit: tuple[np.ndarray, float] | None = None  # (coefficients, residual std), refitted per timed step
-        self._host: collections.deque[float] = collections.deque(maxlen=16)
+        # long: (1, prefill tokens, query-key pairs / 1e6, decode tokens); short: (1, decode tokens,
+        # context tokens the decodes read / 1e6, prefill tokens)
+        self._kinds = {LONG: _Timed(self.config), SHORT: _Timed(self.config)}
         self._last_done: float | None = None
         self._wait_from: float | None = None  # when delay_s first held the next step back
+        self._launch_at: float | None = None  # when the step being dispatched launched (`launching`)
+        self._idle_at_launch = False
+        self._checked = None  # the step in flight at the last launch, and whether it had ended then
+        self._checked_ended = False
+        self.backoff_s = 0.0  # added to the lead by held steps that found the device idle
         self.waited_s = 0.0  # time the driving loops waited on delay_s (stats)
         self.waits = 0  # steps they held back
+        self.idle_launches = 0  # launches that found the step before already done (the device idle)
+        self.idle_after_wait = 0  # of those, launches of held steps
+
+    def launching(self, previous) -> None:
+        """The step being dispatched launches now (its inputs packed); `previous`: the step still
+        in flight, whose end (already reached: the device is idle) is checked without waiting."""
+        if not self.enabled:
+            return
+        self._launch_at = self.clock()
+        tokens = getattr(getattr(previous, "result", None), "tokens", None)
+        is_ready = getattr(tokens, "is_ready", None)
+        self._idle_at_launch = bool(is_ready()) if is_ready is not None else False
+        self._checked, self._checked_ended = previous, self._idle_at_launch
 
     def dispatched(self, step, host_s: float) -> None:
         """A step was dispatched now (`host_s`: its schedule and dispatch host time). Off: nothing
         (no per-step host work)."""
         if not self.enabled:
             return
-        step.dispatch_end = self.clock()
-        step.prefill_tokens, decode = classify(step.chunks)
-        if step.prefill_tokens >= self.config.min_prefill_tokens:  # only long steps are timed or waited on
-            step.features = (1.0, float(step.prefill_tokens), prefill_pairs(step.chunks) / 1e6, float(decode))
-        self._host.append(host_s)
-        if self._wait_from is not None:  # the loop waited on delay_s before this step
-            self.waited_s += step.dispatch_end - host_s - self._wait_from
+        c = self.config
+        now = step.dispatch_end = self.clock()
+        launch, self._launch_at = self._launch_at, None
+        to_launch = launch - (now - host_s) if launch is not None and c.lead_from_launch else host_s
+        prefill, decode, context = tally(step.chunks)
+        step.prefill_tokens = prefill
+        kind = LONG if prefill >= c.min_prefill_tokens else SHORT
+        if kind == LONG:  # (query-key pairs only for long steps: a loop over the chunks)
+            step.features = (1.0, float(prefill), prefill_pairs(step.chunks) / 1e6, float(decode))
+        elif c.short_steps:
+            step.features = (1.0, float(decode), context / 1e6, float(prefill))
+        self._kinds[kind].host.append(max(0.0, to_launch))
+        held, self._wait_from = self._wait_from, None
+        if held is not None:  # the loop waited on delay_s before this step
+            self.waited_s += now - host_s - held
             self.waits += 1
-            self._wait_from = None
+        if self._idle_at_launch:
+            self.idle_launches += 1
+            if held is not None:
+                self.idle_after_wait += 1
+                self.backoff_s = min(c.max_backoff_s, 1.5 * self.backoff_s + c.idle_backoff_s)
+        elif held is not None:
+            self.backoff_s *= c.backoff_decay
+        self._idle_at_launch = False
 
     def completed(self, step, waited_s: float) -> None:
         """A step's tokens reached the host now, after the host blocked `waited_s` for them."""
         if not self.enabled:
             return
-        now, waited = self.clock(), waited_s > 1e-4
-        if waited and step.dispatch_end is not None and step.prefill_tokens >= self.config.min_prefill_tokens:
+        # Timed only if the host blocked for it (its end is now) and it was still running at the
+        # next launch: reading a finished step's tokens takes host time too, and counting a step
+        # that ended unseen from its start to now would count idle time, lengthen the predictions
+        # and so the holds that idle the device (measured: held decode steps grew to 1 s).
+        checked = self._checked is step
+        unseen = checked and self._checked_ended
+        self._checked = None
+        now = self.clock()
+        if waited_s >= self.config.min_wait_s and not unseen and step.dispatch_end is not None and step.features:
             start = step.dispatch_end if self._last_done is None else max(step.dispatch_end, self._last_done)
-            self._timed.append((step.features, now - start))  # the device was still on it: its end is now
-            self._refit()
-        self._last_done = now if waited else None  # found done: it ended at some earlier time
+            self._kinds[self._kind(step)].add(step.features, now - start)  # the device was still on it: its end is now
+        # when the next step started: now, if this one ended after the next launch (a lower bound
+        # on the next one's time); unknown if it ended unseen
+        self._last_done = None if unseen or not checked and waited_s <= 1e-4 else now
 
-    def _refit(self) -> None:
-        if len(self._timed) < self.config.fit_samples:
-            return
-        x = np.array([f for f, _ in self._timed])
-        y = np.array([d for _, d in self._timed])
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-9)  # columns of comparable size
-        coef = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
-        residual = y - x @ coef
-        self._fit = (coef, float(np.sqrt(residual @ residual / (len(y) - x.shape[1]))))  # unbiased: 4 fitted
+    def _kind(self, step) -> str:
+        return LONG if step.prefill_tokens >= self.config.min_prefill_tokens else SHORT
 
-    def predicted_s(self, tokens: int, features: tuple[float, ...] | None = None) -> float | None:
-        """The device time a step of `tokens` prefill tokens (and `features`, as `dispatched` sets
-        them) is expected to take at least: the fit less one residual deviation; before the fit,
-        the cheapest recent rate times `tokens` (None: too few of the recent steps were as big)."""
-        if tokens < self.config.min_prefill_tokens:
-            return None
-        if self._fit is not None and features is not None:
-            coef, sd = self._fit
-            return float(np.dot(coef, features)) - sd
-        rates = [d / f[1] for f, d in self._timed if f[1] >= tokens]
+    def predicted_s(self, step) -> float | None:
+        """The device time `step` (as `dispatched` left it) is expected to take at least: its
+        kind's fit less one residual deviation; a long step before its fit: the cheapest recent
+        rate times its prefill tokens (None: too few recent steps were as big, or a short step
+        before its fit)."""
+        kind = self._kind(step)
+        predicted = self._kinds[kind].predicted(step.features)
+        if predicted is not None or kind == SHORT:
+            return predicted
+        tokens = step.prefill_tokens
+        rates = [d / f[1] for f, d in self._kinds[LONG].samples if f[1] >= tokens]
         return min(rates) * tokens if len(rates) >= self.config.min_samples else None
 
     def lead_s(self, predicted_s: float = 0.0) -> float:
+        """How long before the step in flight is predicted to end the next one is scheduled: the
+        longest recent host time up to a launch (either kind: the next step's kind is not known
+        yet), a margin, a fraction of the prediction and what idle launches added."""
         c = self.config
-        return max(self._host, default=0.0) * c.lead_margin + c.lead_floor_s + c.lead_fraction * predicted_s
+        host = max((max(k.host, default=0.0) for k in self._kinds.values()), default=0.0)
+        return host * c.lead_margin + c.lead_floor_s + c.lead_fraction * predicted_s + self.backoff_s
 
     def delay_s(self, step) -> float:
         """Seconds the driving loop may still wait for requests before scheduling the next step
         (0: schedule now)."""
         if not self.enabled or step is None or step.dispatch_end is None:
             return 0.0
-        duration = self.predicted_s(step.prefill_tokens, step.features or None)
+        if not self.config.short_steps and self._kind(step) == SHORT:
+            return 0.0
+        duration = self.predicted_s(step)
         if duration is None or duration < self.config.min_step_s:
             return 0.0
         start = step.dispatch_end if self._last_done is None else max(step.dispatch_end, self._last_done)
@@ -155,12 +262,31 @@ class DispatchTiming:
         return delay
 
     def summary(self) -> dict:
-        rates = [d / f[1] for f, d in self._timed]
-        fit = None if self._fit is None else {  # ms: per step, per 1K prefill tokens, per 1M pairs, per decode row
-            "ms": [round(float(c) * 1e3, 4) for c in self._fit[0]], "residual_sd_ms": round(self._fit[1] * 1e3, 3)}
+        long = self._kinds[LONG]
+        rates = [d / f[1] for f, d in long.samples]
+        fit = None if long.fit is None else {  # ms: per step, per 1K prefill tokens, per 1M pairs, per decode token
+            "ms": [round(float(c) * 1e3, 4) for c in long.fit[0]], "residual_sd_ms": round(long.fit[1] * 1e3, 3)}
         return {"enabled": self.enabled, "waits": self.waits, "waited_s": round(self.waited_s, 3),
                 "min_ms_per_1k_prefill_tokens": round(min(rates) * 1e6, 3) if rates else None, "fit": fit,
-                "host_lead_ms": round(self.lead_s() * 1e3, 2)}
+                "host_lead_ms": round(self.lead_s() * 1e3, 2), "backoff_ms": round(self.backoff_s * 1e3, 2),
+                "idle_launches": self.idle_launches, "idle_after_wait": self.idle_after_wait,
+                "kinds": {name: k.summary() for name, k in self._kinds.items()}}
+
+
+def tally(chunks) -> tuple[int, int, int]:
+    """(prefill tokens, decode tokens, context tokens the decode tokens read) of a step's chunks."""
+    prefill = decode = context = 0
+    for c in chunks:
+        prompt = len(c.request.prompt_ids)
+        if c.start >= prompt:
+            decode += c.end - c.start
+            context += c.end
+        else:
+            prefill += min(c.end, prompt) - c.start
+            if c.end > prompt:
+                decode += c.end - prompt
+                context += c.end
+    return prefill, decode, context
 
 
 def prefill_pairs(chunks) -> float:
