@@ -215,7 +215,7 @@ def test_a_held_step_that_finds_the_device_idle_lengthens_the_lead():
     fit learns the fast steps, and the backoff shrinks again once launches find the device busy."""
     rng = np.random.default_rng(2)
     steps = [Step(8192, 0.2 * rng.uniform(0.99, 1.01) * (1.0 if i < 30 else 0.5)) for i in range(200)]
-    _, gaps, timing = simulate(True, steps=steps, config=DispatchTimingConfig(history=8, fit_samples=6), read_s=2e-4)
+    _, gaps, timing = simulate(True, steps=steps, config=DispatchTimingConfig(history=8, fit_samples=6, refit_every=4), read_s=2e-4)
     assert max(gaps[:30]) < 1e-12  # idle only after the change
     idle = [i for i, g in enumerate(gaps) if g > 1e-9]
     assert idle and min(idle) >= 30 and len(idle) <= 12 and timing.idle_after_wait == timing.idle_launches == len(idle)
@@ -273,3 +273,13 @@ def test_a_fit_of_narrow_steps_never_holds_longer_than_any_step_timed():
     _, gaps, timing = simulate(True, steps=steps, host_s=0.001, config=DispatchTimingConfig(min_step_s=0.004))
     assert sum(gaps) < 0.1  # s, against 1.5 s of device time
     assert max(gaps[60:]) < 1e-12
+
+
+def test_a_kind_whose_steps_never_run_min_step_s_is_not_fitted_or_held():
+    """Batch-1 decode steps (3 ms, under min_step_s): no fit is computed for them (host time) and
+    none is held."""
+    steps = [Step(0, 0.003, decode_ctx=(1000 + i,)) for i in range(60)]
+    _, gaps, timing = simulate(True, steps=steps, host_s=0.0005)
+    short = timing.summary()["kinds"]["short"]
+    assert short["timed"] > 16 and short["fit_ms"] is None and timing.waits == 0
+    assert timing.predicted_s(steps[-1]) is None and max(gaps) < 1e-12

@@ -84,7 +84,7 @@ class DispatchTimingConfig:
     history: int = 64  # steps remembered per kind
     min_samples: int = 4  # long steps timed before any wait
     fit_samples: int = 16  # steps of a kind timed before its fit is used (long steps before: the cheapest rate)
-    refit_every: int = 4  # timed steps of a kind between refits (a refit costs ~40 us of host time)
+    refit_every: int = 16  # timed steps of a kind between refits (a refit costs ~100 us of host time)
     min_wait_s: float = 0.001  # a step is timed only if the host blocked this long for its tokens
 
 
@@ -103,25 +103,32 @@ class _Timed:
         self.config = config
         self.samples: collections.deque[tuple[tuple[float, ...], float]] = collections.deque(maxlen=config.history)
         self.host: collections.deque[float] = collections.deque(maxlen=16)
-        self.fit: tuple[np.ndarray, float] | None = None  # (coefficients, residual std)
+        self.fit: tuple[list[float], float] | None = None  # (coefficients, residual std)
         self.longest = 0.0  # the longest device time among the samples at the last refit
+        self.too_short = False  # at the last refit no sample ran min_step_s: no step of this kind is held
         self._since_fit = 0
+        self._refits = 0
 
     def add(self, features: tuple[float, ...], seconds: float) -> None:
         self.samples.append((features, seconds))
         self._since_fit += 1
-        if len(self.samples) >= self.config.fit_samples and (self.fit is None or self._since_fit >= self.config.refit_every):
+        c = self.config
+        if len(self.samples) >= c.fit_samples and (self._since_fit >= c.refit_every or not self._refits):
             self._refit()
 
     def _refit(self) -> None:
-        self._since_fit = 0
+        self._since_fit, self._refits = 0, self._refits + 1
+        y = np.fromiter((d for _, d in self.samples), float, len(self.samples))
+        self.longest = float(y.max())
+        self.too_short = self.longest < self.config.min_step_s
+        if self.too_short:  # (batch-1 decode steps: no fit, no host time spent on one)
+            self.fit = None
+            return
         x = np.array([f for f, _ in self.samples])
-        y = np.array([d for _, d in self.samples])
         scale = np.maximum(np.abs(x).max(axis=0), 1e-9)  # columns of comparable size
         coef = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
         residual = y - x @ coef
-        self.fit = (coef, float(np.sqrt(residual @ residual / max(1, len(y) - x.shape[1]))))
-        self.longest = float(y.max())
+        self.fit = (coef.tolist(), float(np.sqrt(residual @ residual / max(1, len(y) - x.shape[1]))))
 
     def predicted(self, features: tuple[float, ...]) -> float | None:
         """The fit less one residual deviation, never more than the longest step timed: a fit that
@@ -129,7 +136,7 @@ class _Timed:
         if self.fit is None or not features:
             return None
         coef, sd = self.fit
-        return min(float(np.dot(coef, features)) - sd, self.longest)
+        return min(sum(a * b for a, b in zip(coef, features)) - sd, self.longest)
 
     def summary(self) -> dict | None:
         host = sorted(self.host)
@@ -229,7 +236,10 @@ class DispatchTiming:
         rate times its prefill tokens (None: too few recent steps were as big, or a short step
         before its fit)."""
         kind = self._kind(step)
-        predicted = self._kinds[kind].predicted(step.features)
+        timed = self._kinds[kind]
+        if timed.too_short:
+            return None
+        predicted = timed.predicted(step.features)
         if predicted is not None or kind == SHORT:
             return predicted
         tokens = step.prefill_tokens
