@@ -99,7 +99,7 @@ class CoreServer:
 
     def _wait_ms(self, stalled: bool) -> int:
         """How long to wait for messages before the next step: not at all while steps run, but
-        while a long prefill step runs until shortly before it ends (engine/dispatch_timing.py)."""
+        while a long step runs until shortly before it ends (engine/dispatch_timing.py)."""
         if self.engine.has_work() and not stalled:
             return math.ceil(self.engine.dispatch_delay_s() * 1000)
         if self.compiling:
