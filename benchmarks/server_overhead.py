@@ -110,25 +110,30 @@ def serve_cell(base: str, args, streams: int, api_servers: int, mix: bool) -> di
             "engine_steps": steps, "core_step_ms_by_phase": phases}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cell_args(p: argparse.ArgumentParser, kv_memory_gb: float) -> None:
+    """The model, server and client flags `serve_cell` and the servers it runs against read."""
     p.add_argument("--shape", default="v2-lite")
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--tokenizer", default=str(DEFAULT_MODEL), help="tokenizer the shape takes (its vocabulary size too)")
     p.add_argument("--streams", default="1,8,64")
-    p.add_argument("--context", type=int, default=512, help="cached tokens per request in the bare step")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512, help="below 64 streams")
     p.add_argument("--output-len-64", type=int, default=128, help="at 64 streams and more")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--kv-memory-gb", type=float, default=40)
+    p.add_argument("--kv-memory-gb", type=float, default=kv_memory_gb)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--server-args", default="", help="more flags for both servers")
+    p.add_argument("--server-args", default="", help="more flags for every server")
+    p.add_argument("--client-processes", type=int, default=4, help="benchmark client processes at 32 streams and more")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cell_args(p, kv_memory_gb=40)
+    p.add_argument("--context", type=int, default=512, help="cached tokens per request in the bare step")
+    p.add_argument("--steps", type=int, default=50)
     p.add_argument("--unroll-max-tokens", type=int, default=None,
                    help="the engine flag, for the bare step, the servers and the engine alone (default: the engine's)")
     p.add_argument("--no-api-server-2", action="store_true", help="skip the --api-server-count 2 server")
-    p.add_argument("--client-processes", type=int, default=4, help="benchmark client processes at 32 streams and more")
     p.add_argument("--in-process", action="store_true", help="also serve with --no-engine-process (api_servers 0 rows)")
     args = p.parse_args(argv)
     args.streams = [int(s) for s in args.streams.split(",")]
