@@ -29,7 +29,8 @@ CAP the prefill tokens a step may take while requests decode (0: no cap; default
 bound in trace seconds (default --max-prefill-wait-s), multiplied by --time-scale as arrival
 times are, LATE on, off or long: late dispatch (engine/dispatch_timing.py; default --late-dispatch;
 long: the earlier rule, long prefill steps only, the lead from the whole dispatch), GAP the step
-buckets' --token-bucket-gap (default the engine's; 0: powers of two), AGING srpf's --prefill-aging-tokens-per-s (per trace second), FINISH on or off:
+buckets' --token-bucket-gap (default the engine's; 0: powers of two), AGING srpf's
+--prefill-aging-tokens-per-s (per trace second), FINISH on or off:
 --prefill-finish-early. The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must
 give a subset of it (0 under a power-of-two gap does): both ladders are served by one engine, in one run.
 The default compares fcfs without late dispatch (the engine's order before 2026-12-06) with the GPU

@@ -163,6 +163,7 @@ class DeviceSteps:
         if step.result is None:  # its deferred sampling failed: _recover already requeued its requests
             return []
         try:
+            self.dispatch_timing.reading(step)  # (late dispatch: a step done before this read is not timed)
             t = time.perf_counter()
             tokens = np.asarray(step.result.tokens)[0]  # by logits row (token_vector's row 0)
             self._last_wait_s = time.perf_counter() - t

@@ -42,9 +42,11 @@ TTFT p50 in it):
 - the lead counts the host time until a step's launch (schedule, copy-on-write pages, pack), not
   its whole dispatch: the program's kernels are enqueued while the device runs the first ones, so
   the device waits only for what comes before the launch;
-- `launching` checks, just before each launch, whether the step in flight has already ended. Such a
-  step is not timed (its end is unknown: counting to now would count idle time, lengthen the
-  predictions and so the holds; on one H100 that fed back until held decode steps took 1 s). A held
+- `launching` checks, just before each launch, whether the step in flight has already ended, and
+  `reading` again just before the host blocks on its tokens. A step already done when the host came to
+  read it is not timed (its end is unknown: counting to now would count idle time and the next launch,
+  lengthen the predictions and so the holds; on one H100 that fed back until held decode steps took
+  1 s). A held
   step that finds the device idle grows a backoff added to the lead (x 1.5 + 2 ms: steps that got
   much faster than their fit are untimed while they idle the device, so it must outgrow any error),
   and each held step that finds it busy shrinks it by 5% (`summary()`: `idle_launches`,
@@ -89,7 +91,7 @@ class DispatchTimingConfig:
     min_samples: int = 4  # long steps timed before any wait
     fit_samples: int = 16  # steps of a kind timed before its fit is used (long steps before: the cheapest rate)
     refit_every: int = 16  # timed steps of a kind between refits (a refit costs ~100 us of host time)
-    min_wait_s: float = 0.001  # a step is timed only if the host blocked this long for its tokens
+    min_wait_s: float = 0.001  # without `reading`: a step is timed only if the host blocked this long for it
 
 
 def resolved(mode: str, backend: str) -> bool:
@@ -163,8 +165,7 @@ class DispatchTiming:
         self._wait_from: float | None = None  # when delay_s first held the next step back
         self._launch_at: float | None = None  # when the step being dispatched launched (`launching`)
         self._idle_at_launch = False
-        self._checked = None  # the step in flight at the last launch, and whether it had ended then
-        self._checked_ended = False
+        self._read: tuple[object, bool] | None = None  # (step, done already) when the host came to read it
         self.backoff_s = 0.0  # added to the lead by held steps that found the device idle
         self.waited_s = 0.0  # time the driving loops waited on delay_s (stats)
         self.waits = 0  # steps they held back
@@ -177,10 +178,14 @@ class DispatchTiming:
         if not self.enabled:
             return
         self._launch_at = self.clock()
-        tokens = getattr(getattr(previous, "result", None), "tokens", None)
-        is_ready = getattr(tokens, "is_ready", None)
-        self._idle_at_launch = bool(is_ready()) if is_ready is not None else False
-        self._checked, self._checked_ended = previous, self._idle_at_launch
+        self._idle_at_launch = _done(previous)
+
+    def reading(self, step) -> None:
+        """The host is about to block on `step`'s tokens. Whether they are there already decides
+        whether it is timed: a step that ended before the host came to read it ended at some unknown
+        time, maybe during the next step's launch or the hold before it."""
+        if self.enabled:
+            self._read = (step, _done(step))
 
     def dispatched(self, step, host_s: float) -> None:
         """A step was dispatched now (`host_s`: its schedule and dispatch host time). Off: nothing
@@ -216,20 +221,21 @@ class DispatchTiming:
         """A step's tokens reached the host now, after the host blocked `waited_s` for them."""
         if not self.enabled:
             return
-        # Timed only if the host blocked for it (its end is now) and it was still running at the
-        # next launch: reading a finished step's tokens takes host time too, and counting a step
-        # that ended unseen from its start to now would count idle time, lengthen the predictions
-        # and so the holds that idle the device (measured: held decode steps grew to 1 s).
-        checked = self._checked is step
-        unseen = checked and self._checked_ended
-        self._checked = None
+        # Timed only if it was still running when the host came to read it (its end is now):
+        # counting a step that ended unseen from its start to now would count idle time and the
+        # next step's launch, lengthen the predictions and so the holds that idle the device
+        # (measured: held decode steps grew to 1 s). A caller that does not call `reading`: timed
+        # if the host blocked min_wait_s.
+        read, self._read = self._read, None
+        if read is not None and read[0] is step:
+            running, ended_now = not read[1], not read[1]
+        else:
+            running, ended_now = waited_s >= self.config.min_wait_s, waited_s > 1e-4
         now = self.clock()
-        if waited_s >= self.config.min_wait_s and not unseen and step.dispatch_end is not None and step.features:
+        if running and step.dispatch_end is not None and step.features:
             start = step.dispatch_end if self._last_done is None else max(step.dispatch_end, self._last_done)
             self._kinds[self._kind(step)].add(step.features, now - start)  # the device was still on it: its end is now
-        # when the next step started: now, if this one ended after the next launch (a lower bound
-        # on the next one's time); unknown if it ended unseen
-        self._last_done = None if unseen or not checked and waited_s <= 1e-4 else now
+        self._last_done = now if ended_now else None  # (when the next step started, if it was queued)
 
     def _kind(self, step) -> str:
         return LONG if step.prefill_tokens >= self.config.min_prefill_tokens else SHORT
@@ -287,8 +293,16 @@ class DispatchTiming:
                 "kinds": {name: k.summary() for name, k in self._kinds.items()}}
 
 
+def _done(step) -> bool:
+    """Whether a dispatched step's tokens are computed (no wait; False when it has none to ask)."""
+    is_ready = getattr(getattr(getattr(step, "result", None), "tokens", None), "is_ready", None)
+    return bool(is_ready()) if is_ready is not None else False
+
+
 def tally(chunks) -> tuple[int, int, int]:
-    """(prefill tokens, decode tokens, context tokens the decode tokens read) of a step's chunks."""
+    """(prefill tokens, decode tokens, context tokens the decode tokens read) of a step's chunks.
+    Not step_timeline.classify: that counts decode rows, not tokens (a verify chunk is one row), and
+    no context, for every step whether late dispatch is on or not, at half this loop's cost."""
     prefill = decode = context = 0
     for c in chunks:
         prompt = len(c.request.prompt_ids)
