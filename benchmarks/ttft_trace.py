@@ -23,7 +23,7 @@ It is replayed by the wall clock as benchmarks/dynamic.py replays it (`serve`: a
 at the first step boundary after its arrival; TTFT counts from the arrival), once per policy,
 every run starting with an empty prefix cache, greedy with ignore_eos to each row's output length.
 
---policies: comma-separated NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH[:PACE]]]]]]] (engine/prefill_order.py; an empty
+--policies: comma-separated NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] (engine/prefill_order.py; an empty
 field takes its default): NAME fcfs or srpf,
 CAP the prefill tokens a step may take while requests decode (0: no cap; default 0), WAIT srpf's age
 bound in trace seconds (default --max-prefill-wait-s), multiplied by --time-scale as arrival
@@ -31,7 +31,7 @@ times are, LATE on, off or long: late dispatch (engine/dispatch_timing.py; defau
 long: the earlier rule, long prefill steps only, the lead from the whole dispatch), GAP the step
 buckets' --token-bucket-gap (default the engine's; 0: powers of two), AGING srpf's
 --prefill-aging-tokens-per-s (per trace second), FINISH on or off:
---prefill-finish-early, PACE --prefill-cap-above-tpot-ms (CAP applies only while a decode lags it). The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must
+--prefill-finish-early. The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must
 give a subset of it (0 under a power-of-two gap does): both ladders are served by one engine, in one run.
 The default compares fcfs without late dispatch (the engine's order before 2026-12-06) with the GPU
 default since (srpf, aging 7400 tokens/s, finish early, late dispatch).
@@ -77,7 +77,7 @@ class TraceBenchConfig:
     tokens_per_block: int = 0  # replay each block as this many tokens, output lengths scaled alike (0 = unscaled)
     num_requests: int = 0  # replay the first N rows (0 = all)
     time_scale: float = 1.0  # multiplies arrival times (and srpf's age bound)
-    policies: str = "fcfs:0:1:off,srpf:0:100:on::7400:on"  # NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH[:PACE]]]]]]], comma-separated (see above)
+    policies: str = "fcfs:0:1:off,srpf:0:100:on::7400:on"  # NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]], comma-separated (see above)
     unloaded_repeats: int = 3  # runs of each unloaded prompt (the median is kept)
     bench_seed: int = 0  # seeds block tokens
     max_run_s: float = 1800.0  # a run still going after this is stopped and marked incomplete
@@ -103,9 +103,9 @@ def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
     out = []
     for item in spec.split(","):
         parts = item.strip().split(":")
-        if (not 1 <= len(parts) <= 8 or not parts[0] or len(parts) >= 4 and parts[3] not in (*LATE_RULES, "")
+        if (not 1 <= len(parts) <= 7 or not parts[0] or len(parts) >= 4 and parts[3] not in (*LATE_RULES, "")
                 or len(parts) >= 7 and parts[6] not in ("on", "off", "")):
-            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH[:PACE]]]]]]] items (LATE on, off or "
+            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] items (LATE on, off or "
                              f"long, FINISH on or off; a field left empty takes its default), got {item!r}")
         field = lambda i: parts[i] if len(parts) > i and parts[i] else None  # noqa: E731
         cap = int(field(1) or 0)
@@ -114,8 +114,7 @@ def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
         gap = None if field(4) is None else int(field(4))
         aging = float(field(5) or config.prefill_aging_tokens_per_s or 0.0)  # (auto: none, as before it existed)
         finish = (config.prefill_finish_early == "on") if field(6) is None else field(6) == "on"
-        pace = float(field(7) or config.prefill_cap_above_tpot_ms) / 1e3
-        out.append(Policy(item.strip(), PrefillOrder(parts[0], wait * time_scale, cap, (), aging / time_scale, finish, pace),
+        out.append(Policy(item.strip(), PrefillOrder(parts[0], wait * time_scale, cap, (), aging / time_scale, finish),
                           late, gap))
     return out
 
@@ -139,7 +138,6 @@ def use(engine: Engine, order: PrefillOrder, gap: int) -> None:
     engine.scheduler.prefill_order = dataclasses.replace(order, buckets=ladder_sizes(engine.config, gap))
     engine.config.scheduling_policy, engine.config.max_prefill_wait_s = order.policy, order.max_wait_s
     engine.config.max_prefill_tokens_with_decodes = order.max_prefill_tokens_with_decodes
-    engine.config.prefill_cap_above_tpot_ms = order.cap_above_tpot_s * 1e3
     engine.config.prefill_aging_tokens_per_s = order.aging_tokens_per_s
     engine.config.prefill_finish_early = "on" if order.finish_early else "off"
 
@@ -177,7 +175,6 @@ def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrde
     s = serve(engine, arrivals, c.bench_seed, "on", c.max_run_s, name)
     out = summarize(s.records, s.samples, s.preemptions, [])
     out |= {"policy": order.policy, "max_wait_s": order.max_wait_s, "cap": order.max_prefill_tokens_with_decodes,
-            "cap_above_tpot_ms": order.cap_above_tpot_s * 1e3,
             "aging_tokens_per_s": order.aging_tokens_per_s, "finish_early": order.finish_early,
             "token_bucket_gap": gap,
             "complete": s.complete, "prefix_cache": s.prefix_cache, "host_ms": s.host_ms,

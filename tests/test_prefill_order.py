@@ -130,7 +130,7 @@ def test_fcfs_keeps_admission_and_queue_order():
 
 def test_bad_settings_are_refused():
     for kw in ({"policy": "lifo"}, {"max_wait_s": -1.0}, {"max_prefill_tokens_with_decodes": -1},
-               {"aging_tokens_per_s": -1.0}, {"cap_above_tpot_s": -0.001}):
+               {"aging_tokens_per_s": -1.0}):
         with pytest.raises(ValueError):
             PrefillOrder(**kw)
 
@@ -139,30 +139,10 @@ def fake_token(r):
     return (sum(r.token_slice(max(0, r.num_known - 3), r.num_known)) * 31 + r.num_known) % 48 + 2
 
 
-def drive(order, arrivals, budget=16, finishing=None, step_s=None, token_times=None):
+def drive(order, arrivals, budget=16, finishing=None):
     """A scheduler on a fake step (tokens depend only on the sequence); arrivals: step -> requests.
     Returns (outputs by id, first-token step by id, [(prefill tokens, decode rows) per step]);
-    `finishing` (a list) gets per step whether some prompt finished its prefill in it; `step_s`
-    (prefill tokens, decode rows) -> a step's seconds: the scheduler's clock runs on them, and
-    `token_times` (a dict) gets each request's clock at each of its tokens."""
-    if step_s is not None:
-        import types
-        from unittest import mock
-
-        from splash_jax.engine import scheduler as scheduler_module
-
-        clock = [0.0]
-
-        def tick(prefill, decodes):
-            clock[0] += step_s(prefill, decodes)
-            return clock[0]
-
-        with mock.patch.object(scheduler_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0])):
-            return _drive(order, arrivals, budget, finishing, tick, token_times)
-    return _drive(order, arrivals, budget, finishing, lambda p, d: 0.0, token_times)
-
-
-def _drive(order, arrivals, budget, finishing, tick, token_times):
+    `finishing` (a list) gets per step whether some prompt finished its prefill in it."""
     sched = Scheduler(PageAllocator(1, 400, 4), max_num_seqs=8, max_num_batched_tokens=budget, placement=REPLICATED,
                       max_model_len=256, pages_per_request=64, prefill_order=order)
     first, steps, reqs, t = {}, [], {}, 0
@@ -174,15 +154,12 @@ def _drive(order, arrivals, budget, finishing, tick, token_times):
         # a decode: a request with one token left (a sampled one, or the last of its prompt)
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt_ids) - 1]
         steps.append((sum(c.num_tokens for c in chunks) - len(decodes), len(decodes)))
-        now = tick(*steps[-1])
         sched.dispatched(chunks)
         sampling = [c for c in chunks if c.samples]
         if finishing is not None:
             finishing.append(any(c.start < len(c.request.prompt_ids) for c in sampling))
         for c in sampling:
             first.setdefault(c.request.request_id, t)
-            if token_times is not None:
-                token_times.setdefault(c.request.request_id, []).append(now)
         sched.update(chunks, list(range(len(sampling))), np.array([fake_token(c.request) for c in sampling]))
         t += 1
     return {k: r.output_ids for k, r in reqs.items()}, first, steps
@@ -212,41 +189,6 @@ def test_the_prefill_cap_holds_while_requests_decode(policy):
     assert any(prefill == cap for prefill, decodes in steps if decodes)  # the cap was what limited them
     assert any(prefill > cap for prefill, decodes in uncapped if decodes)  # ...and without it steps were longer
     assert any(prefill > cap for prefill, decodes in steps if not decodes)  # no decodes: the whole budget
-
-
-def test_the_pace_bound_turns_the_cap_on_only_while_a_decode_lags_it():
-    """With cap_above_tpot_s the cap applies only while a decoding request's time per output token
-    since its first (after PACE_MIN_TOKENS of them) exceeds the bound: here a decode that arrives
-    first and then decodes through a burst of long prompts, on a clock where a step lasts 0.5 s plus
-    0.25 s per prefill token (a capped step 1.5 s, a whole one up to 4.25 s)."""
-    from splash_jax.engine.prefill_order import PACE_MIN_TOKENS
-
-    sizes = (1, 2, 4, 8, 16)
-    order = PrefillOrder("fcfs", 1e9, 4, sizes, cap_above_tpot_s=2.0)
-    r = req("d", 4, 0.0, max_tokens=64)
-    r.first_output_at, r.output_ids = 10.0, [5] * (PACE_MIN_TOKENS + 1)
-    assert order.prefill_budget(16, 1, [r], now=10.0 + 2.0 * PACE_MIN_TOKENS) == 16  # on pace: the whole budget
-    assert order.prefill_budget(16, 1, [r], now=10.5 + 2.0 * PACE_MIN_TOKENS) == 4  # behind: the cap
-    assert PrefillOrder("fcfs", 1e9, 4, sizes).prefill_budget(16, 1, [r], now=0.0) == 4  # no bound: always the cap
-    r.output_ids = [5] * PACE_MIN_TOKENS  # too few tokens to have a pace
-    assert order.prefill_budget(16, 1, [r], now=1e6) == 16
-    # the scheduler: the same outputs; capped steps only once the decode lags, and its pace kept
-    arrivals = {0: [("d", 3, 24)], 2: [(f"p{i}", 60, 4) for i in range(4)]}
-    step_s = lambda prefill, decodes: 0.5 + 0.25 * prefill  # noqa: E731
-    paces = {}
-    for name, o in (("plain", PrefillOrder("fcfs", 1e9, 0, sizes)), ("paced", order), ("always", PrefillOrder("fcfs", 1e9, 4, sizes))):
-        times = {}
-        paces[name] = drive(o, arrivals, step_s=step_s, token_times=times)
-        d = times["d"]
-        paces[name] += ((d[-1] - d[0]) / (len(d) - 1),)
-    plain, paced, always = paces["plain"], paces["paced"], paces["always"]
-    assert paced[0] == plain[0] == always[0]  # the same outputs
-    mixed = [p for p, d in paced[2] if p and d]
-    assert max(mixed) > 4 and min(mixed) <= 4  # whole-budget steps while the decode kept pace, capped after
-    assert all(p <= 4 for p, d in always[2] if d)  # the cap without a bound: every step with a decode
-    # the decode's time per token: 3.1 s uncapped; paced, the bound and at most one capped step's
-    # share past it (it lags before the cap turns on); capped in every step, 1.2 s
-    assert plain[3] > 3.0 and paced[3] <= 2.0 + step_s(4, 1) / (24 - 1) + 1e-9 and always[3] < paced[3]
 
 
 def test_the_cap_fills_a_compiled_bucket_instead_of_spilling_into_the_next():
@@ -365,8 +307,6 @@ def test_the_trace_benchmark_reads_policy_items_with_empty_fields_as_their_defau
     assert new.order == PrefillOrder("srpf", 200.0, 0, (), 3700.0, True)  # ages per trace second: / time scale
     assert fcfs.order == PrefillOrder("fcfs", 2.0, 4096) and fcfs.late is None and fcfs.gap == 0
     assert long.late == "long"  # late dispatch by the rules of 2026-12-06
-    (paced,) = parse_policies("srpf:4096:100:on::7400:on:45", EngineConfig(), 1.0)
-    assert paced.order.max_prefill_tokens_with_decodes == 4096 and paced.order.cap_above_tpot_s == pytest.approx(0.045)
     for bad in ("srpf:0:1:on::10:maybe", "srpf:0:1:early"):
         with pytest.raises(SystemExit):
             parse_policies(bad, EngineConfig(), 1.0)

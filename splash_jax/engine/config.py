@@ -79,10 +79,6 @@ class EngineConfig:
     # prefill tokens plus the decodes' (no padding to the next bucket), so decodes never wait behind a full
     # --max-num-batched-tokens prefill chunk (0 = no cap); steps without decodes use the whole budget.
     max_prefill_tokens_with_decodes: int = 0
-    # The cap above applies only while some decoding request's time per output token since its first
-    # exceeds this many ms (0 = always): the few requests that decode through a long prefill burst turn
-    # it on while they lag, and other steps keep the whole budget (engine/prefill_order.py)
-    prefill_cap_above_tpot_ms: float = 0.0
     # Automatic prefix caching: full pages stay cached under the exact tokens of the prefix they end
     # and a new request reuses its longest cached prefix (every layout; kept across switches).
     enable_prefix_caching: bool = True

@@ -35,13 +35,6 @@ bucket matters: the steps run padded to the next power of two, so a cap of 4096 
 prefill tokens alone put 4096 + 21 decode tokens into the 8192-token program, which costs about
 what an uncapped step costs while doing half its prefill (the first H200 measurement of the cap,
 docs/performance.md).
-
-`cap_above_tpot_s` (0 = the cap always applies): the cap applies only while some decoding request
-falls behind that pace, its time per output token since its first (counted once it has
-`PACE_MIN_TOKENS` more) above the bound. A cap that always applies pays each capped step's decode
-cost again through every prefill burst, and TTFT rises (about 40% at p50 on the trace); the
-requests whose TPOT a cap protects are the few that decode through a long burst, so only they turn
-it on, and only while they lag.
 """
 
 from __future__ import annotations
@@ -52,7 +45,6 @@ import math
 
 POLICIES = ("fcfs", "srpf")
 ALL = math.inf  # a plan entry: admit from the waiting queue's front until something does not fit
-PACE_MIN_TOKENS = 8  # output tokens after its first before a request's pace counts (one long step is not a pace)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +55,6 @@ class PrefillOrder:
     buckets: tuple[int, ...] = ()  # the step programs' token sizes (engine/step_programs.bucket_ladder)
     aging_tokens_per_s: float = 0.0  # srpf: prompt tokens a request's rank gains per second waited
     finish_early: bool = False  # a step where prompts finish holds them and fills only its bucket
-    cap_above_tpot_s: float = 0.0  # the cap applies only while a decode's time per output token exceeds this (0: always)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -74,8 +65,6 @@ class PrefillOrder:
             raise ValueError(f"--max-prefill-tokens-with-decodes must be >= 0, got {self.max_prefill_tokens_with_decodes}")
         if not self.aging_tokens_per_s >= 0:
             raise ValueError(f"--prefill-aging-tokens-per-s must be >= 0, got {self.aging_tokens_per_s}")
-        if not self.cap_above_tpot_s >= 0:
-            raise ValueError(f"--prefill-cap-above-tpot-ms must be >= 0, got {self.cap_above_tpot_s * 1e3}")
 
     @classmethod
     def of(cls, config, gap: int = 0, platform: str = "cpu") -> PrefillOrder:
@@ -83,7 +72,7 @@ class PrefillOrder:
         gap: the resolved --token-bucket-gap)."""
         policy, aging, finish = config.resolved_prefill_order(platform)
         return cls(policy, config.max_prefill_wait_s, config.max_prefill_tokens_with_decodes, ladder_sizes(config, gap),
-                   aging, finish, config.prefill_cap_above_tpot_ms / 1e3)
+                   aging, finish)
 
     def key(self, request, now: float) -> tuple:
         """srpf's rank of a request (smaller first): (tier, then within the tier)."""
@@ -133,27 +122,16 @@ class PrefillOrder:
             return budget
         return min(budget, next((b for b in self.buckets if b >= decode_tokens + need), budget))
 
-    def prefill_budget(self, budget: int, decode_tokens: int, decoding=(), now: float = 0.0) -> int:
+    def prefill_budget(self, budget: int, decode_tokens: int) -> int:
         """The step's token budget once the decodes' `decode_tokens` are counted in it. While
-        anything decodes and a cap is set (with `cap_above_tpot_s`: while one of `decoding` lags,
-        `decodes_behind`): the largest bucket of at most decode_tokens + cap that leaves prefill a
-        token (without buckets, or with none such, decode_tokens + cap itself). A decode dropped from
-        the step, preempted by another, leaves its token to prefill."""
+        anything decodes and a cap is set: the largest bucket of at most decode_tokens + cap that
+        leaves prefill a token (without buckets, or with none such, decode_tokens + cap itself).
+        A decode dropped from the step, preempted by another, leaves its token to prefill."""
         cap = self.max_prefill_tokens_with_decodes
-        if not (decode_tokens and cap) or self.cap_above_tpot_s and not self.decodes_behind(decoding, now):
+        if not (decode_tokens and cap):
             return budget
         target = min(budget, decode_tokens + cap)
         return max((b for b in self.buckets if decode_tokens < b <= target), default=target)
-
-    def decodes_behind(self, decoding, now: float) -> bool:
-        """Some request of `decoding` has made its output tokens since its first slower than
-        `cap_above_tpot_s` each (once it has PACE_MIN_TOKENS of them)."""
-        bound = self.cap_above_tpot_s
-        for r in decoding:
-            n = len(r.output_ids) - 1
-            if n >= PACE_MIN_TOKENS and now - r.first_output_at > bound * n:
-                return True
-        return False
 
 
 def _in_order(plan: list, waiting):

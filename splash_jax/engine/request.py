@@ -163,7 +163,6 @@ class Request:
     sample_seed: int = 0  # the seed its sampling keys derive from (params.seed, or drawn by the engine)
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens that reached the host
-    first_output_at: float = 0.0  # time.monotonic() when its first output token reached the host (0: not yet)
     num_computed: int = 0  # tokens whose latent is in the cache (or being written by a dispatched step)
     num_pending: int = 0  # sampled tokens still on the device (overlapped scheduling: 0 or 1)
     num_unverified: int = 0  # speculative drafts in num_computed that their verify step has not yet accepted

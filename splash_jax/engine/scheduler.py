@@ -240,9 +240,8 @@ class Scheduler(Admission, SpeculativeScheduling):
         order = self.prefill_order  # engine/prefill_order.py: prefill work in order, its cap beside decodes
         decode_tokens = len(decoding) + sum(
             len(d[0]) if r.awaits_verify else len(d) for r in decoding if (d := drafts.get(id(r))))
-        now = time.monotonic()
-        budget = order.prefill_budget(budget, decode_tokens, decoding if prefilling or self.waiting else (), now)
-        plan = order.plan(prefilling, self.waiting, now)
+        budget = order.prefill_budget(budget, decode_tokens)
+        plan = order.plan(prefilling, self.waiting, time.monotonic())
         budget = order.finishing_budget(budget, decode_tokens, plan, self.waiting)
         deferred, admitting = [], True  # deferred: waiting for a block another request computes (kept in order)
         for request in decoding + plan:
@@ -443,8 +442,6 @@ class Scheduler(Admission, SpeculativeScheduling):
         """Append one sampled token, feed it to the grammar unless it is reasoning (reasoning_gate:
         its state moves here with output_ids) and apply the token-level stops."""
         request.output_ids.append(token)
-        if len(request.output_ids) == 1:
-            request.first_output_at = time.monotonic()  # its decode pace from here (prefill_order.decodes_behind)
         p = request.params
         stop_token = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
         reason = advance_grammar(request, token) if after_token(request, token) else None
