@@ -27,14 +27,16 @@ every run starting with an empty prefix cache, greedy with ignore_eos to each ro
 field takes its default): NAME fcfs or srpf,
 CAP the prefill tokens a step may take while requests decode (0: no cap; default 0), WAIT srpf's age
 bound in trace seconds (default --max-prefill-wait-s), multiplied by --time-scale as arrival
-times are, LATE on, off or long: late dispatch (engine/dispatch_timing.py; default --late-dispatch;
-long: the earlier rule, long prefill steps only, the lead from the whole dispatch), GAP the step
+times are, LATE on, off, long or prefill: late dispatch (engine/dispatch_timing.py; default --late-dispatch;
+long: the earlier rule, long prefill steps only, the lead from the whole dispatch; prefill: long prefill
+steps only, the lead from the launch), GAP the step
 buckets' --token-bucket-gap (default the engine's; 0: powers of two), AGING srpf's
 --prefill-aging-tokens-per-s (per trace second), FINISH on or off:
 --prefill-finish-early. The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must
 give a subset of it (0 under a power-of-two gap does): both ladders are served by one engine, in one run.
 The default compares fcfs without late dispatch (the engine's order before 2026-12-06) with the GPU
-default since (srpf, aging 7400 tokens/s, finish early, late dispatch).
+default since (srpf, aging 7400 tokens/s, finish early, late dispatch of prefill steps) and with the
+same holding decode steps too (--late-dispatch on).
 
 Unloaded TTFT: the trace's median-length prompt and its longest, each alone on the idle engine
 with an empty cache (--unloaded-repeats runs, the median kept). Reported per policy: TTFT and TPOT
@@ -77,7 +79,7 @@ class TraceBenchConfig:
     tokens_per_block: int = 0  # replay each block as this many tokens, output lengths scaled alike (0 = unscaled)
     num_requests: int = 0  # replay the first N rows (0 = all)
     time_scale: float = 1.0  # multiplies arrival times (and srpf's age bound)
-    policies: str = "fcfs:0:1:off,srpf:0:100:on::7400:on"  # NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]], comma-separated (see above)
+    policies: str = "fcfs:0:1:off,srpf:0:100:prefill::7400:on,srpf:0:100:on::7400:on"  # NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]], comma-separated (see above)
     unloaded_repeats: int = 3  # runs of each unloaded prompt (the median is kept)
     bench_seed: int = 0  # seeds block tokens
     max_run_s: float = 1800.0  # a run still going after this is stopped and marked incomplete
@@ -92,9 +94,11 @@ class Policy:
 
 
 # LATE: late dispatch's rules (engine/dispatch_timing.py); long: those of 2026-12-06 (long prefill
-# steps only, held until 1.5x the whole dispatch's host time before their predicted end)
+# steps only, held until 1.5x the whole dispatch's host time before their predicted end); prefill:
+# long prefill steps only, with today's lead (short steps, decode-only ones among them, never held)
 LATE_RULES = {"on": DispatchTimingConfig(), "off": DispatchTimingConfig(),
-              "long": DispatchTimingConfig(min_step_s=0.02, short_steps=False, lead_from_launch=False)}
+              "long": DispatchTimingConfig(min_step_s=0.02, short_steps=False, lead_from_launch=False),
+              "prefill": DispatchTimingConfig(short_steps=False)}
 
 
 def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
@@ -105,8 +109,8 @@ def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
         parts = item.strip().split(":")
         if (not 1 <= len(parts) <= 7 or not parts[0] or len(parts) >= 4 and parts[3] not in (*LATE_RULES, "")
                 or len(parts) >= 7 and parts[6] not in ("on", "off", "")):
-            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] items (LATE on, off or "
-                             f"long, FINISH on or off; a field left empty takes its default), got {item!r}")
+            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] items (LATE on, off, "
+                             f"long or prefill, FINISH on or off; a field left empty takes its default), got {item!r}")
         field = lambda i: parts[i] if len(parts) > i and parts[i] else None  # noqa: E731
         cap = int(field(1) or 0)
         wait = float(field(2) or config.max_prefill_wait_s)
@@ -247,7 +251,8 @@ def main(argv=None):
         log.info("unloaded TTFT, gap %d: median-length prompt (%d tokens) %.4g s, longest (%d tokens) %.4g s", gap,
                  u["median"]["prompt_len"], u["median"]["ttft_s"], u["longest"]["prompt_len"], u["longest"]["ttft_s"])
     results = {}
-    default_late = "on" if engine.dispatch_timing.enabled else "off"  # --late-dispatch, for policies without LATE
+    # --late-dispatch, for policies without LATE
+    default_late = "off" if not engine.dispatch_timing.enabled else "on" if engine.dispatch_timing.config.short_steps else "prefill"
     for p in policies:
         gap = compiled_gap(engine) if p.gap is None else p.gap
         results[p.name] = r = run(engine, arrivals, p.name, p.order, default_late if p.late is None else p.late, gap, c)

@@ -164,7 +164,10 @@ def test_steps_predicted_short_and_cold_starts_are_never_waited_on():
     timing.dispatched(big, 0.002)
     assert timing.delay_s(big) == pytest.approx(0.1 - timing.lead_s(0.1))  # lead: 1.5 x 2 ms + 2 ms + 10 ms
     assert DispatchTiming(False, clock=clock).delay_s(big) == 0.0
-    assert resolved("auto", "cpu") is False and resolved("auto", "gpu") is True and resolved("on", "cpu") is True
+    assert resolved("auto", "cpu")[0] is False and resolved("off", "gpu")[0] is False
+    on, prefill, auto = resolved("on", "cpu"), resolved("prefill", "cpu"), resolved("auto", "gpu")
+    assert on[0] and prefill[0] and auto == prefill  # accelerators: prefill steps held...
+    assert on[1].short_steps and not prefill[1].short_steps  # ...decode steps only with on
     with pytest.raises(ValueError, match="--late-dispatch"):
         resolved("sometimes", "gpu")
 

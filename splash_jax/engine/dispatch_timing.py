@@ -55,7 +55,9 @@ TTFT p50 in it):
   tokens, the context they read, prefill tokens, a constant), and held back when predicted to run
   `min_step_s` or longer: an arrival during decode steps (~15 ms each on the trace) joined the step
   after the next one, since each was dispatched a whole step ahead. A kind whose recent steps all ran
-  under `min_step_s` (batch-1 decodes) is neither fitted nor held.
+  under `min_step_s` (batch-1 decodes) is neither fitted nor held. Only with `--late-dispatch on`
+  since 2026-12-06 22:30 (`short_steps`; auto holds prefill steps only): through the server at 64
+  closed-loop streams holding ~12.6 ms decode steps cost TPOT 2-5% (`resolved`).
 Measured (one H100, the trace, docs/performance.md "Late dispatch from the launch"): the lead fell
 from ~33 to ~14 ms (+10% of the prediction), TTFT p50 0.234 -> 0.224 s, 2,220 steps held, one held
 step found the device idle; decode steps, TPOT and throughput unchanged.
@@ -71,7 +73,7 @@ import numpy as np
 
 from splash_jax.calibration import attended_keys
 
-MODES = ("auto", "on", "off")
+MODES = ("auto", "on", "off", "prefill")
 LONG, SHORT = "long", "short"  # step kinds, each timed and fitted on its own
 
 
@@ -94,11 +96,20 @@ class DispatchTimingConfig:
     min_wait_s: float = 0.001  # without `reading`: a step is timed only if the host blocked this long for it
 
 
-def resolved(mode: str, backend: str) -> bool:
-    """--late-dispatch (default off) auto: on accelerators (on CPU the "device" shares the host's cores)."""
+def resolved(mode: str, backend: str) -> tuple[bool, DispatchTimingConfig]:
+    """--late-dispatch -> (enabled, its rules). prefill: long prefill steps are held, short steps
+    (decode-only steps among them) never; on: short steps predicted `min_step_s` or longer too;
+    auto: prefill on accelerators, off on CPU (there the "device" shares the host's cores).
+
+    Why auto holds prefill steps only: through the server at 64 closed-loop streams (V2-Lite, one
+    H100, ~12.6 ms decode steps) holding decode steps cost TPOT 2-5% and output tok/s 2-4% in three
+    pairs of runs (benchmarks/probes/late_dispatch_serving.py; docs/performance.md), for a TTFT p50
+    15% lower; a steady stream of decode steps has no arrival burst to gain from it."""
     if mode not in MODES:
         raise ValueError(f"--late-dispatch must be one of {', '.join(MODES)}, got {mode!r}")
-    return backend != "cpu" if mode == "auto" else mode == "on"
+    if mode == "auto":
+        mode = "off" if backend == "cpu" else "prefill"
+    return mode != "off", DispatchTimingConfig(short_steps=mode == "on")
 
 
 class _Timed:
@@ -286,7 +297,7 @@ class DispatchTiming:
         rates = [d / f[1] for f, d in long.samples]
         fit = None if long.fit is None else {  # ms: per step, per 1K prefill tokens, per 1M pairs, per decode token
             "ms": [round(float(c) * 1e3, 4) for c in long.fit[0]], "residual_sd_ms": round(long.fit[1] * 1e3, 3)}
-        return {"enabled": self.enabled, "waits": self.waits, "waited_s": round(self.waited_s, 3),
+        return {"enabled": self.enabled, "decode_steps_held": self.config.short_steps, "waits": self.waits, "waited_s": round(self.waited_s, 3),
                 "min_ms_per_1k_prefill_tokens": round(min(rates) * 1e6, 3) if rates else None, "fit": fit,
                 "host_lead_ms": round(self.lead_s() * 1e3, 2), "backoff_ms": round(self.backoff_s * 1e3, 2),
                 "idle_launches": self.idle_launches, "idle_after_wait": self.idle_after_wait,

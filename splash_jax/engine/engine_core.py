@@ -216,7 +216,7 @@ class EngineCore(DeviceSteps, SpeculationControl):
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
-        self.dispatch_timing = DispatchTiming(resolve_late_dispatch(config.late_dispatch, backend))
+        self.dispatch_timing = DispatchTiming(*resolve_late_dispatch(config.late_dispatch, backend))
         self._completed_last_call = False
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
         self._failed: list[CoreOutput] = []
