@@ -68,12 +68,17 @@ def offline(args, server_args: str) -> dict:
     return json.loads(path.read_text())["summary"]
 
 
+# the late dispatch's counters (serve/metrics.py), per cell: steps held, idle launches after a hold
+LATE_COUNTERS = ("splash_engine_late_dispatch_waits_total", "splash_engine_late_dispatch_idle_launches_total",
+                 "splash_engine_late_dispatch_idle_after_wait_total", "splash_engine_late_dispatch_wait_seconds_total")
+
+
 def counters(base: str) -> dict[str, float]:
     text = httpx.get(base + "/metrics").text
     out = {f"phase_{m.group(1)}": float(m.group(2))
            for m in re.finditer(r'^splash_engine_step_host_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M)}
     for name in ("splash_engine_steps_total", "splash_engine_core_loop_cpu_seconds_total", "splash_api_servers",
-                 "splash_engine_device_wait_seconds_total"):
+                 "splash_engine_device_wait_seconds_total", *LATE_COUNTERS):
         m = re.search(rf"^{name} (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else float("nan")
     return out
@@ -107,7 +112,8 @@ def serve_cell(base: str, args, streams: int, api_servers: int, mix: bool) -> di
             "output_tok_s": s["output_throughput"], "core_cpu_ms_per_step": cpu / steps * 1e3 if steps and cpu is not None else None,
             "core_wait_ms_per_step": wait / steps * 1e3 if steps else None,
             "core_cpu_less_wait_ms_per_step": (cpu - wait) / steps * 1e3 if steps and cpu is not None else None,
-            "engine_steps": steps, "core_step_ms_by_phase": phases}
+            "engine_steps": steps, "core_step_ms_by_phase": phases,
+            "late_dispatch_counts": {name[len("splash_engine_late_dispatch_"):-len("_total")]: c1[name] - c0[name] for name in LATE_COUNTERS}}
 
 
 def add_cell_args(p: argparse.ArgumentParser, kv_memory_gb: float) -> None:

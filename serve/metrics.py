@@ -91,6 +91,18 @@ class EngineStatsCollector(Collector):
         for phase, ms in sorted((s.get("host_phase_ms") or {}).items()):
             phases.add_metric([phase], self._counted(f"host_phase_{phase}", ms / 1e3))
         yield phases
+        late = s.get("late_dispatch") or {}  # engine/dispatch_timing.py; absent or disabled: zeros
+        yield self._counter("splash_engine_late_dispatch_waits", "Steps whose scheduling was held back for "
+                            "arrivals until shortly before the step in flight was predicted to end", late.get("waits"))
+        yield self._counter("splash_engine_late_dispatch_wait_seconds", "Seconds the engine loop held steps back "
+                            "(--late-dispatch)", late.get("waited_s"))
+        yield self._counter("splash_engine_late_dispatch_idle_launches", "Launches that found the device already "
+                            "idle (the step before had ended)", late.get("idle_launches"))
+        yield self._counter("splash_engine_late_dispatch_idle_after_wait", "Held steps whose launch found the device "
+                            "idle: each lengthens the lead", late.get("idle_after_wait"))
+        yield _gauge("splash_engine_late_dispatch_lead_seconds", "How long before a held step's predicted end the "
+                     "next one is scheduled (host time to its launch, margin, backoff)",
+                     (late.get("host_lead_ms") or 0.0) / 1e3 if late.get("enabled") else 0.0)
         yield _gauge("splash_api_servers", "HTTP front-end processes connected to the engine core", s.get("front_ends", 1))
         yield _gauge("splash_engine_compiles_after_ready", "Traces and compiles in the engine core since it was ready "
                      "(0: every program was compiled at start-up)", s.get("compiles_after_ready", 0))

@@ -606,6 +606,25 @@ def test_speculative_decoding_metrics_come_from_the_engine_stats():
     assert 'splash_spec_decode_level_tokens_per_second{batch="1",level="3"} 2400.0' in text
 
 
+def test_late_dispatch_metrics():
+    """The late dispatch's holds and idle launches (engine stats' late_dispatch) as counters, its
+    lead as a gauge; zeros when the engine reports none."""
+    from serve.metrics import ServerMetrics
+
+    stats: dict = {}
+    metrics = ServerMetrics(lambda: stats)
+    values = _metric_values(metrics.render().decode())
+    assert values["splash_engine_late_dispatch_waits_total"] == 0 and values["splash_engine_late_dispatch_lead_seconds"] == 0
+    stats = {"late_dispatch": {"enabled": True, "waits": 12, "waited_s": 0.5, "idle_launches": 3, "idle_after_wait": 1,
+                               "host_lead_ms": 14.5}}
+    values = _metric_values(metrics.render().decode())
+    assert values["splash_engine_late_dispatch_waits_total"] == 12
+    assert values["splash_engine_late_dispatch_wait_seconds_total"] == 0.5
+    assert values["splash_engine_late_dispatch_idle_launches_total"] == 3
+    assert values["splash_engine_late_dispatch_idle_after_wait_total"] == 1
+    assert values["splash_engine_late_dispatch_lead_seconds"] == 0.0145
+
+
 def test_prefix_cache_metrics_on_the_server():
     engine = FakeEngine()
     engine.prefix_cache_stats = {"enabled": True, "queries": 96, "hits": 64, "hit_rate": 2 / 3, "cached_pages": 5, "evictions": 1}

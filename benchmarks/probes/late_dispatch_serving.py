@@ -1,15 +1,18 @@
-"""Probe: does late dispatch cost steady serving anything? The server with --late-dispatch off and
-on, one after the other, at each --streams concurrency (closed loop: a stream sends its next
-request when one ends), each cell benchmarks/server_overhead.py's `serve_cell`.
+"""Probe: does late dispatch cost steady serving anything? The server with each --late-dispatch
+mode (off, prefill, on), one after the other, at each --streams concurrency (closed loop: a stream
+sends its next request when one ends), each cell benchmarks/server_overhead.py's `serve_cell`.
 
     python -m benchmarks.probes.late_dispatch_serving --shape v2-lite --num-layers 27
-    python -m benchmarks.probes.late_dispatch_serving --shape bundled --streams 1,8 --output-len 16 --kv-memory-gb 0.5   # CPU smoke
+    python -m benchmarks.probes.late_dispatch_serving --shape bundled --streams 1,8 --output-len 16 --kv-memory-gb 0.5 \
+        --modes off,on   # CPU smoke
 
 Late dispatch holds the next step back until shortly before the step in flight is predicted to end
-(engine/dispatch_timing.py); since it holds decode steps too, a wrong prediction would idle the
-device between decode steps. Closed-loop streams are where that costs and nothing gains (each
-request arrives as another ends), so TPOT and output tok/s should match. Prints a table and writes
-JSON to benchmarks/results/.
+(engine/dispatch_timing.py); `on` holds decode steps too, where a host that overruns the lead
+leaves the device waiting. Closed-loop streams are where that costs and nothing gains much (each
+request arrives as another ends): on one H100 at 64 streams `on` cost TPOT 2-5% (docs/performance.md),
+which is why auto holds prefill steps only. Each row has the server's held steps and the held steps
+whose launch found the device idle (/metrics over the cell). Prints a table and writes JSON to
+benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ log = logging.getLogger("benchmarks.probes.late_dispatch_serving")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cell_args(p, kv_memory_gb=20)  # --shape also takes "bundled": the bundled model, its own weights
-    p.add_argument("--modes", default="off,on", help="--late-dispatch values, in order")
+    p.add_argument("--modes", default="off,prefill,on", help="--late-dispatch values, in order (auto is prefill on GPUs)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -52,8 +55,11 @@ def main(argv=None):
     for r in rows:
         r["tpot_over_first"] = r["tpot_p50_ms"] / first[r["streams"]]["tpot_p50_ms"]
         r["tok_s_over_first"] = r["output_tok_s"] / first[r["streams"]]["output_tok_s"]
+        counts = r.get("late_dispatch_counts") or {}  # the server's /metrics over the cell
+        r["held_steps"], r["idle_after_hold"] = counts.get("waits"), counts.get("idle_after_wait")
     print(table(rows, ["late_dispatch", "streams", "output_len", "completed", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms",
-                       "output_tok_s", "tpot_over_first", "tok_s_over_first", "engine_steps", "core_cpu_ms_per_step"]))
+                       "output_tok_s", "tpot_over_first", "tok_s_over_first", "engine_steps", "held_steps", "idle_after_hold",
+                       "core_cpu_ms_per_step"]))
     write_results("late_dispatch_serving", {"args": vars(a), "server_args": base_args, "rows": rows})
 
 
