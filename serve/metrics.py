@@ -57,6 +57,16 @@ class MonotonicCounters:
             return base + value
 
 
+# (metric suffix, key of engine.stats()["late_dispatch"], help)
+LATE_DISPATCH_COUNTERS = (
+    ("waits", "waits", "Steps whose scheduling was held back for arrivals until shortly before the step in flight was "
+                       "predicted to end (--late-dispatch)"),
+    ("wait_seconds", "waited_s", "Seconds the engine loop held steps back (--late-dispatch)"),
+    ("idle_launches", "idle_launches", "Launches that found the device already idle (the step before had ended)"),
+    ("idle_after_wait", "idle_after_wait", "Held steps whose launch found the device idle: each lengthens the lead"),
+)
+
+
 class EngineStatsCollector(Collector):
     """Engine gauges and counters from `AsyncEngine.stats()`."""
 
@@ -92,14 +102,8 @@ class EngineStatsCollector(Collector):
             phases.add_metric([phase], self._counted(f"host_phase_{phase}", ms / 1e3))
         yield phases
         late = s.get("late_dispatch") or {}  # engine/dispatch_timing.py; absent or disabled: zeros
-        yield self._counter("splash_engine_late_dispatch_waits", "Steps whose scheduling was held back for "
-                            "arrivals until shortly before the step in flight was predicted to end", late.get("waits"))
-        yield self._counter("splash_engine_late_dispatch_wait_seconds", "Seconds the engine loop held steps back "
-                            "(--late-dispatch)", late.get("waited_s"))
-        yield self._counter("splash_engine_late_dispatch_idle_launches", "Launches that found the device already "
-                            "idle (the step before had ended)", late.get("idle_launches"))
-        yield self._counter("splash_engine_late_dispatch_idle_after_wait", "Held steps whose launch found the device "
-                            "idle: each lengthens the lead", late.get("idle_after_wait"))
+        for suffix, key, doc in LATE_DISPATCH_COUNTERS:
+            yield self._counter(f"splash_engine_late_dispatch_{suffix}", doc, late.get(key))
         yield _gauge("splash_engine_late_dispatch_lead_seconds", "How long before a held step's predicted end the "
                      "next one is scheduled (host time to its launch, margin, backoff)",
                      (late.get("host_lead_ms") or 0.0) / 1e3 if late.get("enabled") else 0.0)
