@@ -57,7 +57,7 @@ class StepModel:
     kv: float = 2.4e-8  # s per context token a decode row reads (fitted: the trace run's decode-only steps, 14.8 ms at 22.5 rows)
     pair: float = 5.5e-10  # s per prefill query-key pair (expanded attention)
     host_s: float = 3.0e-3  # schedule + dispatch
-    lead_s: float = 4.0e-3  # late dispatch: the next step is scheduled this long before the step in flight ends
+    lead_s: float = 14.0e-3  # late dispatch: the next step is scheduled this long before the step in flight ends
 
     def seconds(self, bucket: int, decode_context: float, pairs: float) -> float:
         xs, ys = zip(*self.small)
@@ -180,7 +180,8 @@ def main(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=34_000)
     p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--lead-ms", type=float, default=4.0, help="late dispatch: schedule this long before the step in flight ends")
+    p.add_argument("--lead-ms", type=float, default=14.0,
+                   help="late dispatch: schedule this long before the step in flight ends (14: the engine's lead on one H100)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     arrivals = W.read_mooncake(a.trace, 512, 0, a.time_scale)
