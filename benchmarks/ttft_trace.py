@@ -60,6 +60,7 @@ from benchmarks.common import parse_engine_and_bench, percentiles, table, write_
 from benchmarks.dynamic import serve, summarize
 from splash_jax.engine import Engine, EngineConfig
 from splash_jax.engine.dispatch_timing import DispatchTiming, DispatchTimingConfig
+from splash_jax.engine.dispatch_timing import resolved as late_dispatch_rules
 from splash_jax.engine.prefill_order import PrefillOrder, ladder_sizes
 from splash_jax.engine.step_timeline import StepTimeline
 
@@ -95,10 +96,10 @@ class Policy:
 
 # LATE: late dispatch's rules (engine/dispatch_timing.py); long: those of 2026-12-06 (long prefill
 # steps only, held until 1.5x the whole dispatch's host time before their predicted end); prefill:
-# long prefill steps only, with today's lead (short steps, decode-only ones among them, never held)
-LATE_RULES = {"on": DispatchTimingConfig(), "off": DispatchTimingConfig(),
-              "long": DispatchTimingConfig(min_step_s=0.02, short_steps=False, lead_from_launch=False),
-              "prefill": DispatchTimingConfig(short_steps=False)}
+# long prefill steps only, with today's lead (short steps, decode-only ones among them, never held);
+# on, off and prefill are the engine's --late-dispatch rules
+LATE_RULES = {**{mode: late_dispatch_rules(mode, "gpu")[1] for mode in ("on", "off", "prefill")},
+              "long": DispatchTimingConfig(min_step_s=0.02, short_steps=False, lead_from_launch=False)}
 
 
 def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:

@@ -189,9 +189,13 @@ def main(argv=None):
     by_len = sorted(arrivals, key=lambda x: x.prompt_len)
     measured = read_json(a.validate) if a.validate else None
     if measured:  # each measured run under its own ladder, its GAP field dropped from the policy
-        runs = [(k, m.get("token_bucket_gap", 0), ":".join(k.split(":")[:3] + [late_rule(k, m), ""] + k.split(":")[5:]).rstrip(":"))
-                for k, m in measured["runs"].items()  # (runs before the gap existed: powers of two)
-                if len(k.split(":")) <= 7 or log.warning("%s: a policy field this code no longer has, not modelled", k)]
+        runs = []
+        for k, m in measured["runs"].items():
+            if len(k.split(":")) > 7:
+                log.warning("%s: a policy field this code no longer has, not modelled", k)
+                continue
+            runs.append((k, m.get("token_bucket_gap", 0),  # (runs before the gap existed: powers of two)
+                         ":".join(k.split(":")[:3] + [late_rule(k, m), ""] + k.split(":")[5:]).rstrip(":")))
     else:
         runs = [(None, a.gap, item) for item in a.policies.split(",")]
     rows, bases = [], {}

@@ -385,7 +385,8 @@ class EngineCore(DeviceSteps, SpeculationControl):
 
     def dispatch_delay_s(self) -> float:
         """How long the loop driving step() may still wait for new requests before calling it:
-        > 0 only while a step predicted to run 10 ms or more runs (engine/dispatch_timing.py, --late-dispatch)."""
+        > 0 only while a long prefill step runs (with --late-dispatch on: any step predicted to run
+        10 ms or more; engine/dispatch_timing.py)."""
         if not self.overlapped or self._inflight is None or self.switcher is not None and self.switcher.active:
             return 0.0
         return self.dispatch_timing.delay_s(self._inflight)
