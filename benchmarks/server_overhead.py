@@ -36,6 +36,7 @@ import httpx
 from benchmarks import serving
 from benchmarks.common import RESULTS, table, write_results
 from benchmarks.shapes import shape_with_tokenizer
+from serve.metrics import LATE_DISPATCH_COUNTERS
 from splash_jax.paths import DEFAULT_MODEL
 
 log = logging.getLogger("benchmarks.server_overhead")
@@ -68,9 +69,8 @@ def offline(args, server_args: str) -> dict:
     return json.loads(path.read_text())["summary"]
 
 
-# the late dispatch's counters (serve/metrics.py), per cell: steps held, idle launches after a hold
-LATE_COUNTERS = ("splash_engine_late_dispatch_waits_total", "splash_engine_late_dispatch_idle_launches_total",
-                 "splash_engine_late_dispatch_idle_after_wait_total", "splash_engine_late_dispatch_wait_seconds_total")
+# the late dispatch's counters per cell (steps held, idle launches after a hold, ...), as /metrics names them
+LATE_COUNTERS = tuple(f"splash_engine_late_dispatch_{suffix}_total" for suffix, _, _ in LATE_DISPATCH_COUNTERS)
 
 
 def counters(base: str) -> dict[str, float]:

@@ -64,6 +64,8 @@ LATE_DISPATCH_COUNTERS = (
     ("wait_seconds", "waited_s", "Seconds the engine loop held steps back (--late-dispatch)"),
     ("idle_launches", "idle_launches", "Launches that found the device already idle (the step before had ended)"),
     ("idle_after_wait", "idle_after_wait", "Held steps whose launch found the device idle: each lengthens the lead"),
+    ("ended_in_launch", "ended_in_launch", "Held steps whose launch found the device busy and whose predecessor had ended "
+                                           "when read: the device may have idled during the launch"),
 )
 
 

@@ -616,12 +616,13 @@ def test_late_dispatch_metrics():
     values = _metric_values(metrics.render().decode())
     assert values["splash_engine_late_dispatch_waits_total"] == 0 and values["splash_engine_late_dispatch_lead_seconds"] == 0
     stats = {"late_dispatch": {"enabled": True, "waits": 12, "waited_s": 0.5, "idle_launches": 3, "idle_after_wait": 1,
-                               "host_lead_ms": 14.5}}
+                               "ended_in_launch": 4, "host_lead_ms": 14.5}}
     values = _metric_values(metrics.render().decode())
     assert values["splash_engine_late_dispatch_waits_total"] == 12
     assert values["splash_engine_late_dispatch_wait_seconds_total"] == 0.5
     assert values["splash_engine_late_dispatch_idle_launches_total"] == 3
     assert values["splash_engine_late_dispatch_idle_after_wait_total"] == 1
+    assert values["splash_engine_late_dispatch_ended_in_launch_total"] == 4
     assert values["splash_engine_late_dispatch_lead_seconds"] == 0.0145
 
 

@@ -57,8 +57,9 @@ def main(argv=None):
         r["tok_s_over_first"] = r["output_tok_s"] / first[r["streams"]]["output_tok_s"]
         counts = r.get("late_dispatch_counts") or {}  # the server's /metrics over the cell
         r["held_steps"], r["idle_after_hold"] = counts.get("waits"), counts.get("idle_after_wait")
+        r["ended_in_launch"] = counts.get("ended_in_launch")
     print(table(rows, ["late_dispatch", "streams", "output_len", "completed", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms",
-                       "output_tok_s", "tpot_over_first", "tok_s_over_first", "engine_steps", "held_steps", "idle_after_hold",
+                       "output_tok_s", "tpot_over_first", "tok_s_over_first", "engine_steps", "held_steps", "idle_after_hold", "ended_in_launch",
                        "core_cpu_ms_per_step"]))
     write_results("late_dispatch_serving", {"args": vars(a), "server_args": base_args, "rows": rows})
 

@@ -182,6 +182,8 @@ class DispatchTiming:
         self.waits = 0  # steps they held back
         self.idle_launches = 0  # launches that found the step before already done (the device idle)
         self.idle_after_wait = 0  # of those, launches of held steps
+        self.ended_in_launch = 0  # held steps whose predecessor ended while they launched (`reading`)
+        self._held_busy = False  # the step dispatched last was held, and its launch found the device busy
 
     def launching(self, previous) -> None:
         """The step being dispatched launches now (its inputs packed); `previous`: the step still
@@ -197,6 +199,9 @@ class DispatchTiming:
         time, maybe during the next step's launch or the hold before it."""
         if self.enabled:
             self._read = (step, _done(step))
+            if self._read[1] and self._held_busy:  # busy at the launch's start, done by its end
+                self.ended_in_launch += 1
+            self._held_busy = False
 
     def dispatched(self, step, host_s: float) -> None:
         """A step was dispatched now (`host_s`: its schedule and dispatch host time). Off: nothing
@@ -226,6 +231,7 @@ class DispatchTiming:
                 self.backoff_s = min(c.max_backoff_s, 1.5 * self.backoff_s + c.idle_backoff_s)
         elif held is not None:
             self.backoff_s *= c.backoff_decay
+        self._held_busy = held is not None and not self._idle_at_launch
         self._idle_at_launch = False
 
     def completed(self, step, waited_s: float) -> None:
@@ -301,6 +307,7 @@ class DispatchTiming:
                 "min_ms_per_1k_prefill_tokens": round(min(rates) * 1e6, 3) if rates else None, "fit": fit,
                 "host_lead_ms": round(self.lead_s() * 1e3, 2), "backoff_ms": round(self.backoff_s * 1e3, 2),
                 "idle_launches": self.idle_launches, "idle_after_wait": self.idle_after_wait,
+                "ended_in_launch": self.ended_in_launch,
                 "kinds": {name: k.summary() for name, k in self._kinds.items()}}
 
 
