@@ -269,6 +269,10 @@ def test_held_steps_whose_predecessor_ends_during_their_launch_are_counted():
     assert timing.summary()["ended_in_launch"] == expected
     _, _, early = simulate(False, steps=[dataclasses.replace(s) for s in steps], host_s=0.0005, launch_s=0.003, read_s=0.003)
     assert early.ended_in_launch == 0  # nothing held: nothing counted
+    # counted as idle launches are (backoff_on_ended_in_launch), they lengthen the lead until they stop
+    _, _, backed = simulate(True, steps=[dataclasses.replace(s) for s in steps], host_s=0.0005, launch_s=0.003, read_s=0.003,
+                            config=dataclasses.replace(config, backoff_on_ended_in_launch=True))
+    assert backed.ended_in_launch < expected / 2 and backed.backoff_s > 0.0
 
 
 def test_short_steps_are_fitted_and_held_on_their_own():

@@ -88,6 +88,7 @@ class DispatchTimingConfig:
     lead_fraction: float = 0.1  # of the predicted device time, added to the lead
     idle_backoff_s: float = 0.002  # a held step that finds the device idle at its launch: backoff x 1.5 + this
     max_backoff_s: float = 1.0  # the most the backoff grows to (a step longer than any: no hold)
+    backoff_on_ended_in_launch: bool = False  # a held step whose predecessor ended during its launch grows it too
     backoff_decay: float = 0.95  # the backoff's factor per held step that finds the device busy
     history: int = 64  # steps remembered per kind
     min_samples: int = 4  # long steps timed before any wait
@@ -201,6 +202,8 @@ class DispatchTiming:
             self._read = (step, _done(step))
             if self._read[1] and self._held_busy:  # busy at the launch's start, done by its end
                 self.ended_in_launch += 1
+                if self.config.backoff_on_ended_in_launch:
+                    self._grow_backoff()
             self._held_busy = False
 
     def dispatched(self, step, host_s: float) -> None:
@@ -228,11 +231,15 @@ class DispatchTiming:
             self.idle_launches += 1
             if held is not None:
                 self.idle_after_wait += 1
-                self.backoff_s = min(c.max_backoff_s, 1.5 * self.backoff_s + c.idle_backoff_s)
+                self._grow_backoff()
         elif held is not None:
             self.backoff_s *= c.backoff_decay
         self._held_busy = held is not None and not self._idle_at_launch
         self._idle_at_launch = False
+
+    def _grow_backoff(self) -> None:
+        c = self.config
+        self.backoff_s = min(c.max_backoff_s, 1.5 * self.backoff_s + c.idle_backoff_s)
 
     def completed(self, step, waited_s: float) -> None:
         """A step's tokens reached the host now, after the host blocked `waited_s` for them."""
