@@ -25,7 +25,10 @@ ends when its slowest request does: drafts kept unevenly leave a drain of a few 
 small steps. `full_batch_speedup` is tokens per second over the steps in which every request
 decoded (the steady state a server at that concurrency sees), and `tpot_speedup` the median
 request's time per output token (after its first) with speculation off over on: what a stream
-sees, as benchmarks/speculative_server.py's client measures it. --trace keeps each timed run's
+sees, as benchmarks/speculative_server.py's client measures it. `step_bound` is off's engine steps
+over the speculative run's: the run lasts as many steps as its slowest request needs, so a closed
+batch gains at most that much even if a speculative step cost what an off step does (1.0: the
+slowest request kept no drafts, and no step cost can be made up). --trace keeps each timed run's
 steps. Writes JSON to benchmarks/results/.
 """
 
@@ -108,6 +111,7 @@ class Run:
     outs: list
     full: float | None  # tok/s over the steps in which every request decoded (with a trace)
     tpot: float | None  # the median request's time per output token after its first, seconds
+    steps: int = 0  # engine steps the run took (a closed batch lasts as many as its slowest request needs)
 
 
 @dataclasses.dataclass
@@ -124,6 +128,8 @@ class Cell:
     tpot: float | None  # off's median request TPOT over this method's
     tpot_off: float | None = None  # off's median request TPOT (median over the pairs), seconds
     tpot_on: float | None = None  # this method's
+    steps_off: float | None = None  # engine steps per run (median over the pairs)
+    steps_on: float | None = None
 
 
 def median_tpot(outs) -> float | None:
@@ -139,13 +145,15 @@ def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = N
     trace = TRACES.get(id(engine)) if timed else None
     if trace is not None:
         trace.start()
+    steps0 = engine.stats()["num_steps"]
     t = time.perf_counter()
     outs = engine.generate(texts, params)
     seconds = time.perf_counter() - t
+    num_steps = engine.stats()["num_steps"] - steps0
     steps = trace.stop() if trace is not None else []
     if steps:
         STEPS.append({"run": timed, "batch": len(texts), "seconds": seconds, "steps": steps})
-    return Run(seconds, outs, full_batch_rate(steps, len(texts)), median_tpot(outs))
+    return Run(seconds, outs, full_batch_rate(steps, len(texts)), median_tpot(outs), num_steps)
 
 
 def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int) -> tuple[Run, dict]:
@@ -179,7 +187,8 @@ def cell(engine: Engine, base_engine: Engine, method: str, k: int, texts: list[s
                 [r.seconds for r in offs], [r.seconds for r in ons],
                 _median_ratio((b.full, a.full) for a, b in zip(offs, ons)),
                 _median_ratio((a.tpot, b.tpot) for a, b in zip(offs, ons)),
-                _median([r.tpot for r in offs]), _median([r.tpot for r in ons]))
+                _median([r.tpot for r in offs]), _median([r.tpot for r in ons]),
+                _median([r.steps for r in offs]), _median([r.steps for r in ons]))
 
 
 def _median(values) -> float | None:
@@ -212,7 +221,8 @@ def main(argv=None):
             # the noise floor: one token per step, only the batch around these prompts changed
             differ, first_diff = divergence(base, first_base) if first_base is not None else (None, None)
             first_base = first_base if first_base is not None else base
-            runs = [("off", 0, Cell(1.0, base_run.seconds, base, {}, [base_run.seconds], [], 1.0, 1.0), differ, first_diff)]
+            runs = [("off", 0, Cell(1.0, base_run.seconds, base, {}, [base_run.seconds], [], 1.0, 1.0, steps_off=base_run.steps,
+                                    steps_on=base_run.steps), differ, first_diff)]
             for method in methods:
                 for k in (k for k in drafts if k):
                     engine = engines[method.removesuffix("-sync")]
@@ -227,6 +237,10 @@ def main(argv=None):
                 rows.append({
                     "workload": workload, "batch": batch, "method": method, "K": k, "tok_per_s": tokens / c.seconds,
                     "speedup": c.ratio, "full_batch_speedup": c.full, "tpot_speedup": c.tpot, "tokens": tokens,
+                    # steps: a closed batch runs until its slowest request is done, so off's steps over
+                    # these are the most it could gain if a speculative step cost what an off step does
+                    "steps": c.steps_on, "off_steps": c.steps_off,
+                    "step_bound": c.steps_off / c.steps_on if c.steps_on else None,
                     "acceptance": spec.get("acceptance_rate"), "accepted_per_step": spec.get("mean_accepted_per_step"),
                     "histogram": spec.get("accepted_histogram"),
                     "mean_k": adaptive.get("mean_k"), "budget": adaptive or None,
@@ -236,7 +250,7 @@ def main(argv=None):
                     "requests_differing": differ, "first_difference_at": first_diff,
                 })
                 log.info("%s batch %d %s K=%d: %.1f tok/s, %.3fx", workload, batch, method, k, tokens / c.seconds, c.ratio)
-    print(table(rows, ["workload", "batch", "method", "K", "tok_per_s", "speedup", "full_batch_speedup", "tpot_speedup",
+    print(table(rows, ["workload", "batch", "method", "K", "tok_per_s", "speedup", "full_batch_speedup", "tpot_speedup", "step_bound",
                        "acceptance", "accepted_per_step", "mean_k", "requests_differing", "first_difference_at"]))
     dtype = str(base_engine.page_dtype)
     write_results("speculative", {"config": dataclasses.asdict(bench), "dtype": dtype, "engine": {
