@@ -6,7 +6,7 @@ import pytest
 
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.engine.draft_budget import (
-    EXPLORE_EVERY, EXPLORE_STEPS, FOLLOW_STEPS, LEARN_EVERY, MIN_ALPHA, Acceptance, DraftBudget)
+    EXPLORE_EVERY, EXPLORE_STEPS, FOLLOW_STEPS, LEARN_EVERY, MAX_PROBE_GAP, MIN_ALPHA, PROBE_GAP, Acceptance, DraftBudget)
 from splash_jax.engine.set_acceptance import SetAcceptanceDrafter
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
@@ -113,6 +113,30 @@ def test_a_request_whose_drafts_are_rarely_kept_gets_none_at_any_level():
     assert b.choose([0.9, MIN_ALPHA / 2, 0.5], [3, 3, 1]) == [3, 0, 1]
 
 
+def test_a_request_cut_off_probes_again_at_doubling_gaps_and_resumes_when_a_probe_is_kept():
+    """Cut off (alpha below MIN_ALPHA), a request drafts nothing for PROBE_GAP of its tokens, then
+    once (a probe); a probe that keeps nothing doubles the gap, up to MAX_PROBE_GAP; one that keeps
+    a draft lets it draft at every step again."""
+    a = Acceptance()
+    while a.alpha >= MIN_ALPHA:  # misses until it is cut off (7)
+        a.record(3, 0)
+    generated, probes = 8, []
+    while generated < 2000:
+        if a.alpha_for_drafting(generated) >= MIN_ALPHA:
+            probes.append(generated)
+            a.record(3, 0)
+        generated += 1
+    gaps = [b - a_ for a_, b in zip([8] + probes, probes)]
+    assert gaps[:5] == [PROBE_GAP, 2 * PROBE_GAP + 1, 4 * PROBE_GAP + 1, 8 * PROBE_GAP + 1, 16 * PROBE_GAP + 1]
+    assert set(gaps[5:]) == {MAX_PROBE_GAP + 1}  # (+1: the probe's own token; the gap counts from the next)
+    assert a.alpha_for_drafting(generated) < MIN_ALPHA
+    while a.alpha_for_drafting(generated) < MIN_ALPHA:
+        generated += 1
+    a.record(3, 1)  # the probe keeps one draft
+    assert a.alpha >= MIN_ALPHA and all(a.alpha_for_drafting(generated + i) >= MIN_ALPHA for i in range(3))
+    assert (a.probe_at, a.probe_gap) == (None, PROBE_GAP)  # cut off again later, it starts from the first gap
+
+
 def test_acceptance_follows_kept_and_missed_drafts():
     a = Acceptance()
     assert a.alpha == 0.5
@@ -147,8 +171,10 @@ def test_the_engine_turns_drafts_off_when_they_are_always_rejected(engine, p):
     finally:
         engine.set_speculative("ngram")
     assert got.token_ids == want.token_ids
-    if p == 0.0:  # after a few misses its alpha is below MIN_ALPHA: no drafts at any level
-        assert spec["accepted_tokens"] == 0 and 0 < spec["verify_chunks"] <= 10, spec
+    if p == 0.0:  # after a few misses its alpha is below MIN_ALPHA: no drafts at any level but
+        # probes, 16, 32, 64, ... tokens apart (at most 4 in 120 tokens, two verify chunks each
+        # while one is in flight)
+        assert spec["accepted_tokens"] == 0 and 0 < spec["verify_chunks"] <= 10 + 8, spec
     else:  # every level measured, then K = 3 (4 tokens a step) for the rest
         assert spec["adaptive"]["mean_k"] > 1.8 and spec["mean_accepted_per_step"] > 2.0, spec
         assert spec["adaptive"]["level"] == 3, spec

@@ -25,7 +25,13 @@ exploring a losing level costs shrinks). Level 0 is speculation off (plain overl
 
 Within a level, a request whose own drafts are rarely kept (alpha below MIN_ALPHA: kept /
 (kept + first misses), decayed, from a prior of one of each) gets none, so a request whose
-drafts are always rejected ends with k = 0 whatever the level.
+drafts are always rejected ends with k = 0 whatever the level. It is not cut off for good: after
+PROBE_GAP more of its own tokens it drafts once more (a probe); a probe that keeps a draft starts
+its record again from that chunk (it drafts at every step), one that keeps none doubles the gap
+(up to MAX_PROBE_GAP). Without probes the
+first misses decided a request's whole output: on the bundled model's `repeat` workload at batch 8,
+3 of 8 requests missed their first 8 drafts (their text repeats only later), drafted nothing for
+their other ~248 tokens, and the closed batch lasted as many steps as with speculation off.
 
 vLLM and SGLang turn speculation down by batch-size thresholds; this measures instead (the issue
 "Speculative decoding that pays at every batch size").
@@ -39,6 +45,7 @@ import dataclasses
 PRIOR_KEPT, PRIOR_MISSED = 1.0, 1.0  # a new request starts at alpha = 0.5
 DECAY = 0.98  # per verify chunk: a request's older drafts count less (its text changes)
 MIN_ALPHA = 0.12  # a request whose drafts are kept less often than this drafts none
+PROBE_GAP, MAX_PROBE_GAP = 16, 256  # ... until this many more of its tokens; a probe that keeps none doubles it
 WINDOW = 10  # a level's rate: tokens over seconds of its last this many measured steps
 # A level with drafts runs only if its rate beats level 0's by this much. Step intervals jitter
 # by 10-30% from step to step with host work (V2-Lite, H200, batch 8-64), so rates of a few steps
@@ -59,16 +66,36 @@ def keeps_k(request) -> bool:
 
 @dataclasses.dataclass
 class Acceptance:
-    """A request's record of its drafts (kept, first misses), decayed per verify chunk."""
+    """A request's record of its drafts (kept, first misses), decayed per verify chunk, and while
+    it drafts none (alpha below MIN_ALPHA) when it probes again (module docstring)."""
 
     kept: float = 0.0
     missed: float = 0.0
+    probe_at: int | None = None  # while cut off: the output length at which it drafts once more
+    probe_gap: int = PROBE_GAP
 
     @property
     def alpha(self) -> float:
         return (self.kept + PRIOR_KEPT) / (self.kept + self.missed + PRIOR_KEPT + PRIOR_MISSED)
 
+    def alpha_for_drafting(self, generated: int) -> float:
+        """alpha as the budget's `caps` reads it when the request has `generated` output tokens:
+        MIN_ALPHA (drafts allowed) at a due probe. The first call after the cut sets the probe."""
+        a = self.alpha
+        if a >= MIN_ALPHA:
+            return a
+        if self.probe_at is None:
+            self.probe_at = generated + self.probe_gap
+        return MIN_ALPHA if generated >= self.probe_at else a
+
     def record(self, drafts: int, kept: int) -> None:
+        if self.alpha < MIN_ALPHA:  # a probe: a verify chunk of a request already cut off
+            if kept:  # its text changed: its record starts again from this chunk
+                self.kept, self.missed, self.probe_at, self.probe_gap = float(kept), float(kept < drafts), None, PROBE_GAP
+            else:  # the next probe: twice as many tokens from the next step
+                self.missed = self.missed * DECAY + 1
+                self.probe_at, self.probe_gap = None, min(2 * self.probe_gap, MAX_PROBE_GAP)
+            return
         self.kept = self.kept * DECAY + kept
         self.missed = self.missed * DECAY + (kept < drafts)
 

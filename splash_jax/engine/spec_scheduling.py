@@ -78,7 +78,8 @@ class SpeculativeScheduling:
         spare = room - len(decoding)
         limits = [self._draft_limit(r) for r in decoding]
         if budget is not None:
-            chosen = budget.caps([r.acceptance.alpha for r in decoding], [0 if f else k for f, k in zip(fixed, limits)])
+            chosen = budget.caps([r.acceptance.alpha_for_drafting(r.num_generated) for r in decoding],
+                                [0 if f else k for f, k in zip(fixed, limits)])
             limits = [k if f else c for f, k, c in zip(fixed, limits, chosen)]
         out = {}
         for r, k in zip(decoding, limits):
