@@ -50,7 +50,10 @@ TTFT p50 in it):
   step that finds the device idle grows a backoff added to the lead (x 1.5 + 2 ms: steps that got
   much faster than their fit are untimed while they idle the device, so it must outgrow any error),
   and each held step that finds it busy shrinks it by 5% (`summary()`: `idle_launches`,
-  `idle_after_wait`, `backoff_ms`);
+  `idle_after_wait`, `backoff_ms`). A held step whose launch found the step before busy and whose
+  read right after found it done is counted too (`ended_in_launch`): a device whose program starts
+  only when its launch call returns (a CUDA graph) idled for part of that call, which `launching`
+  cannot see; with `backoff_on_ended_in_launch` (off) such steps grow the backoff as well;
 - short steps (decode-only steps, small prefills) are timed too, on a fit of their own (decode
   tokens, the context they read, prefill tokens, a constant), and held back when predicted to run
   `min_step_s` or longer: an arrival during decode steps (~15 ms each on the trace) joined the step
