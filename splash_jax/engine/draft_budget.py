@@ -28,10 +28,10 @@ Within a level, a request whose own drafts are rarely kept (alpha below MIN_ALPH
 drafts are always rejected ends with k = 0 whatever the level. It is not cut off for good: after
 PROBE_GAP more of its own tokens it drafts once more (a probe); a probe that keeps a draft starts
 its record again from that chunk (it drafts at every step), one that keeps none doubles the gap
-(up to MAX_PROBE_GAP). Without probes the
-first misses decided a request's whole output: on the bundled model's `repeat` workload at batch 8,
-3 of 8 requests missed their first 8 drafts (their text repeats only later), drafted nothing for
-their other ~248 tokens, and the closed batch lasted as many steps as with speculation off.
+(up to MAX_PROBE_GAP). Without probes the first misses decided a request's whole output: on the
+bundled model's `repeat` workload at batch 8, 3 of 8 requests missed their first 8 drafts (their
+text repeats only later), drafted nothing for their other ~248 tokens, and the closed batch lasted
+as many steps as with speculation off.
 
 vLLM and SGLang turn speculation down by batch-size thresholds; this measures instead (the issue
 "Speculative decoding that pays at every batch size").
