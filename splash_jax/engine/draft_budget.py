@@ -93,7 +93,7 @@ class Acceptance:
             if kept:  # its text changed: its record starts again from this chunk
                 self.kept, self.missed, self.probe_at, self.probe_gap = float(kept), float(kept < drafts), None, PROBE_GAP
             else:  # the next probe: twice as many tokens from the next step
-                self.missed = self.missed * DECAY + 1
+                self.missed = self.missed * DECAY + (kept < drafts)
                 self.probe_at, self.probe_gap = None, min(2 * self.probe_gap, MAX_PROBE_GAP)
             return
         self.kept = self.kept * DECAY + kept
