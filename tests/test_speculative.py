@@ -197,8 +197,35 @@ def test_the_ngram_index_proposes_what_a_scan_of_the_sequence_does():
             index.extend(SimpleNamespace(num_known=known, token_slice=lambda a, b: seq[a:b]))
             for cut in range(0, min(3, len(seq) - known) + 1):
                 prefix = tuple(seq[known : known + cut])
-                want = ngram_draft(np.array(seq[: known + cut]), 4, min_n, max_n)
-                assert index.lookup(4, prefix) == want, (trial, known, cut)
+                for k in (1, 4, 9):  # answers inside the known tokens, across into the prefix, past its end
+                    want = ngram_draft(np.array(seq[: known + cut]), k, min_n, max_n)
+                    assert index.lookup(k, prefix) == want, (trial, known, cut, k)
+
+
+def test_drafts_after_a_token_still_on_the_device_follow_the_guess_of_that_token():
+    """propose_after (overlapped speculation): the drafts are what a scan proposes once the unknown
+    token is the scan's own guess of it, not the guess's occurrence's continuation."""
+    from splash_jax.engine.speculative import NgramDrafter
+
+    class Request:  # what the drafter reads of a request (weakly referenced, as engine requests are)
+        def __init__(self, seq, known):
+            self.num_known, self.token_slice = known, lambda a, b: seq[a:b]
+
+    rng = np.random.default_rng(11)
+    differs = 0
+    for trial in range(60):
+        seq = rng.integers(0, 5, int(rng.integers(3, 50))).tolist()
+        known = int(rng.integers(1, len(seq)))
+        cut = int(rng.integers(0, min(3, len(seq) - known) + 1))
+        drafter = NgramDrafter(1, 3)
+        request = Request(seq, known)
+        prefix = tuple(seq[known : known + cut])
+        head = seq[: known + cut]
+        guess = ngram_draft(np.array(head), 1, 1, 3)
+        want = ngram_draft(np.array(head + guess), 3, 1, 3) if guess else []
+        assert drafter.propose_after(request, 3, prefix) == want, trial
+        differs += want != ngram_draft(np.array(head), 4, 1, 3)[1:]
+    assert differs  # the old rule (the guess's occurrence's next 3 tokens) answers otherwise somewhere
 
 
 def test_a_long_prompt_is_indexed_over_several_calls_and_drafts_nothing_until_then(monkeypatch):
