@@ -108,11 +108,14 @@ class NgramDrafter:
         the guess (the drafts are right only if the guess was: n-gram drafts lag a step). Taking
         the k tokens after the guess from the first lookup's occurrence instead matched an older
         context: on the bundled model at K = 3 it made 1.57 / 1.98 / 2.71 tokens per verify step
-        on copy / fresh / repeat against 2.00 / 2.38 / 2.96 (docs/speculative.md, "The lag")."""
+        on copy / fresh / repeat against 2.00 / 2.38 / 2.96 (docs/speculative.md). Both lookups
+        take k tokens, so where the drafts in flight agree with the guesses, one variant's second
+        lookup is the next variant's first (NgramIndex memoizes them): about K + 2 lookups for
+        an ahead chunk's K + 1 variants, not 2(K + 1)."""
         if k <= 0:
             return []
         index = self._of(request)
-        guess = index.lookup(1, prefix)
+        guess = index.lookup(k, prefix)[:1]
         return index.lookup(k, prefix + tuple(guess)) if guess else []
 
 
@@ -134,6 +137,7 @@ class NgramIndex:
         self.seq: list[int] = []
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> latest start j with j + n < len(seq)
         self.behind = False  # the request knows tokens past seq: lookups propose nothing until caught up
+        self._memo: dict[tuple, list[int]] = {}  # (k, prefix) -> lookup's answer while seq is unchanged
 
     def extend(self, request: Request) -> None:
         known = request.num_known
@@ -141,6 +145,7 @@ class NgramIndex:
         if known <= size:
             self.behind = False
             return
+        self._memo.clear()
         stop = min(known, size + self.TOKENS_PER_EXTEND)
         self.behind = stop < known
         self.seq += request.token_slice(size, stop)
@@ -155,11 +160,17 @@ class NgramIndex:
 
     def lookup(self, k: int, prefix: tuple[int, ...]) -> list[int]:
         """ngram_draft(known + prefix, k, min_n, max_n) from the index (prefix: a few tokens past it);
-        nothing while the index lags the request. Reads only the last max_n known tokens besides
-        the answer: no copy of the whole sequence (a 32K-token request is looked up 2(K + 1) times a
-        step when overlapped)."""
+        nothing while the index lags the request. Memoized until the index next grows; reads only
+        the last max_n known tokens besides the answer, not a copy of the whole sequence (an ahead
+        chunk looks its request up K + 2 times or more a step)."""
         if self.behind:
             return []
+        hit = self._memo.get((k, prefix))
+        if hit is None:
+            hit = self._memo[(k, prefix)] = self._lookup(k, prefix)
+        return list(hit)
+
+    def _lookup(self, k: int, prefix: tuple[int, ...]) -> list[int]:
         seq, known = self.seq, len(self.seq)
         size = known + len(prefix)
         base = max(0, known - self.max_n)  # tail[i] = (known + prefix)[base + i]: every window that reaches past the index
