@@ -101,6 +101,34 @@ def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
     assert engine.num_steps - steps < max(len(w.token_ids) for w in want)  # fewer steps than tokens
 
 
+@pytest.mark.parametrize("sync", [True, False], ids=["from-the-step-before", "behind-the-step-in-flight"])
+def test_ngram_drafts_read_the_step_before_or_go_behind_it_and_keep_outputs(engine, sync):
+    """--speculative-ngram-sync (default): while drafting, a step reads the step in flight back
+    first and drafts from its tokens, so no step of a drafting engine overlaps; off, verify chunks
+    go ahead of the step in flight with drafts after a guess of its token. Greedy outputs equal
+    decoding one token per step either way."""
+    params = [SamplingParams(max_tokens=m) for m in (40, 33, 27, 12)]
+    want = _generate(engine, "off", params)
+    engine.set_speculative("ngram")
+    engine.config.speculative_ngram_sync = sync
+    overlapped, step = [], engine.step
+
+    def recording_step():
+        out = step()
+        overlapped.append(engine.overlapped)
+        return out
+
+    engine.step = recording_step
+    try:
+        got = engine.generate(PROMPTS, params)
+    finally:
+        del engine.step
+        engine.config.speculative_ngram_sync = True
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.stats()["speculative"]["accepted_tokens"] > 0
+    assert not all(overlapped) if sync else all(overlapped)  # (level-0 steps overlap either way)
+
+
 def test_max_tokens_and_stops_landing_inside_a_verify_chunk(engine):
     base = _generate(engine, "off", SamplingParams(max_tokens=40))
     for i, w in enumerate(base[:3]):
@@ -159,7 +187,7 @@ def test_speculation_settings_are_checked(engine):
     with pytest.raises(ValueError, match="speculative-tokens"):
         engine.set_speculative("ngram", 0)
     assert engine.config.speculative_method == "ngram" and engine.config.speculative_tokens == 3
-    assert engine.overlapped  # n-gram drafts follow a token still on the device (ahead chunks)
+    assert engine.speculates_ahead  # n-gram drafts may follow a token still on the device (ahead chunks)
 
 
 def test_penalty_requests_give_the_same_tokens_when_their_prompt_is_cached(engine):

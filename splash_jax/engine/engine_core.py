@@ -215,6 +215,7 @@ class EngineCore(DeviceSteps, SpeculationControl):
         self.grammar_masks = GrammarMasks(self.masks)
         self._requests: dict[str, Request] = {}
         self._inflight: InFlight | None = None
+        self._drafts_in_sync = False  # this step drafts n-grams from the tokens of the one before it
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
         self.dispatch_timing = DispatchTiming(*resolve_late_dispatch(config.late_dispatch, backend))
         self._completed_last_call = False
@@ -311,6 +312,12 @@ class EngineCore(DeviceSteps, SpeculationControl):
         outputs = []
         if self.overlapped and self._reads_first_tokens_now():  # return its tokens before the next dispatch
             return self._complete_first_tokens(cpu0, t0)
+        self._drafts_in_sync = self._drafts_after_the_step_in_flight()
+        read_first_ms = 0.0
+        if self._drafts_in_sync and self._inflight is not None:  # this step drafts from its tokens
+            outputs += self._flush()
+            t = time.perf_counter()
+            read_first_ms, t0 = (t - t0) * 1e3, t
         if self.switcher is not None:
             self.switcher.before_step()  # drop finished requests' reservations; cancel
         t1 = time.perf_counter()
@@ -345,9 +352,11 @@ class EngineCore(DeviceSteps, SpeculationControl):
         if done is not None and done is dispatched:
             outputs += self._complete(done, back_to_back)
         t4 = time.perf_counter()
-        self._account({"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
-                       "handoff": (t3h - t3) * 1e3, "wait": self._last_wait_s * 1e3,
-                       "complete": (t4 - t3h - self._last_wait_s) * 1e3}, cpu0)
+        phases = {"switch": (t1 - t0) * 1e3, "schedule": (t2 - t1) * 1e3, "dispatch": (t3 - t2) * 1e3,
+                  "handoff": (t3h - t3) * 1e3, "wait": self._last_wait_s * 1e3, "complete": (t4 - t3h - self._last_wait_s) * 1e3}
+        if read_first_ms:
+            phases["read_first"] = read_first_ms  # the step before, read back for this step's n-gram drafts
+        self._account(phases, cpu0)
         return outputs + self._failed_now()
 
     def _complete_first_tokens(self, cpu0: float, t0: float) -> list[CoreOutput]:
@@ -393,8 +402,10 @@ class EngineCore(DeviceSteps, SpeculationControl):
 
     @property
     def overlapped(self) -> bool:
-        """Whether steps overlap: asked for, and speculation off or overlappable (speculates_ahead)."""
-        return self.config.overlap_scheduling and (not self.config.speculative_k or self.speculates_ahead)
+        """Whether steps overlap: asked for, speculation off or overlappable (speculates_ahead), and
+        not a step that drafts n-grams from the tokens of the one before (_drafts_in_sync)."""
+        return (self.config.overlap_scheduling and (not self.config.speculative_k or self.speculates_ahead)
+                and not self._drafts_in_sync)
 
     def _consult_policy(self) -> None:
         """Let the layout policy start a switch (none in progress, its interval or an arrival due)."""
