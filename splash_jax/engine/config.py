@@ -130,10 +130,11 @@ class EngineConfig:
     speculative_adaptive: bool = True
     speculative_ngram_min: int = 1  # ngram: shortest suffix n-gram matched
     speculative_ngram_max: int = 4  # ngram: longest suffix n-gram matched (tried first)
-    # ngram: while the draft budget drafts (its level above 0) or a seeded sampled request runs, a
-    # step reads the step before it back first and drafts from its tokens, instead of one step
-    # behind them; level-0 steps still overlap. The lag cost n-gram 28-57% of its kept drafts; on one H100 (bundled model) steps
-    # without it made 1.23-1.68x speculation off at batch 8 against 0.93-1.09x (docs/speculative.md).
+    # ngram: while drafting (a draft budget level above 0; always without --speculative-adaptive)
+    # or while a seeded sampled request runs, a step reads the step before it back first and drafts
+    # from its tokens instead of one step behind them; level-0 steps still overlap. The lag cost
+    # n-gram 28-57% of its kept drafts; on one H100 (bundled model) steps without it made
+    # 1.23-1.68x speculation off at batch 8 against 0.73-1.23x with it (docs/speculative.md).
     speculative_ngram_sync: bool = True
     max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
     max_logit_bias: int = 64  # logit_bias entries per request; fixes the sampler's bias columns

@@ -25,16 +25,16 @@ class SpeculationControl:
     def _drafts_after_the_step_in_flight(self) -> bool:
         """Whether this step reads the step in flight back first and drafts from its tokens: n-gram
         drafts (--speculative-ngram-sync) while the draft budget's level, chosen at the last step, is
-        above 0, or while a request that keeps its K (a seeded sampled one, which drafts at every
-        level) runs: its drafts, and so its tokens, must not depend on when the level changed. Behind
-        a step in flight an n-gram lookup must guess the token that step samples, and its drafts are
-        right only when the guess was (docs/speculative.md, "The lag"); a level-0 step drafts nothing
-        and overlaps as with speculation off."""
-        budget = self.draft_budget
-        if not (self.config.speculative_ngram_sync and self.config.overlap_scheduling and budget is not None
+        above 0 (always without a budget), or while a request that keeps its K (a seeded sampled one,
+        which drafts at every level) runs: its drafts, and so its tokens, must not depend on when the
+        level changed. Behind a step in flight an n-gram lookup must guess the token that step
+        samples, and its drafts are right only when the guess was (docs/speculative.md, "The lag");
+        a level-0 step drafts nothing and overlaps as with speculation off."""
+        if not (self.config.speculative_ngram_sync and self.config.overlap_scheduling
                 and isinstance(self.scheduler.drafter, NgramDrafter)):
             return False
-        return budget.level > 0 or any(keeps_k(r) for r in self.scheduler.running)
+        budget = self.draft_budget
+        return budget is None or budget.level > 0 or any(keeps_k(r) for r in self.scheduler.running)
 
     def _set_drafting(self) -> None:
         """Overlapped speculation pauses while a layout switch runs: its plans copy the pages of
