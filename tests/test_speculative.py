@@ -104,7 +104,7 @@ def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
 @pytest.mark.parametrize("sync", [True, False], ids=["from-the-step-before", "behind-the-step-in-flight"])
 def test_ngram_drafts_read_the_step_before_or_go_behind_it_and_keep_outputs(engine, sync):
     """--speculative-ngram-sync (default): while drafting, a step reads the step in flight back
-    first and drafts from its tokens, so no step of a drafting engine overlaps; off, verify chunks
+    first and drafts from its tokens, so the steps that draft do not overlap; off, verify chunks
     go ahead of the step in flight with drafts after a guess of its token. Greedy outputs equal
     decoding one token per step either way."""
     params = [SamplingParams(max_tokens=m) for m in (40, 33, 27, 12)]

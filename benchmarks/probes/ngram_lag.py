@@ -66,16 +66,11 @@ def drafts(rule: str, tokens: list[int], known: int, sampled: int, k: int, min_n
     """The K drafts `rule` gives the chunk after `known` tokens and one more, `sampled`, that the
     host does not know when it drafts."""
     head = tokens[:known]
-    lag = ngram_draft(np.array(head), k + 1, min_n, max_n)[1:]
-    sync = ngram_draft(np.array(head + [sampled]), k, min_n, max_n)
-    if rule == "lag":
-        return lag
     if rule == "relook":
         return NgramDrafter(min_n, max_n).propose_after(_Request(tokens, known), k, ())
-    if rule == "sync":
-        return sync
-    count = int(rule.removeprefix("cand"))
-    return sync if sampled in candidates(head, count, min_n, max_n) else lag
+    if rule == "sync" or rule.startswith("cand") and sampled in candidates(head, int(rule[4:]), min_n, max_n):
+        return ngram_draft(np.array(head + [sampled]), k, min_n, max_n)
+    return ngram_draft(np.array(head), k + 1, min_n, max_n)[1:]  # lag (and a candidate table's miss)
 
 
 def replay(rule: str, prompt: list[int], output: list[int], k: int, min_n: int, max_n: int) -> int:

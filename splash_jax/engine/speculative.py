@@ -187,8 +187,12 @@ class NgramIndex:
                 if start + n > known - 1:  # (the index holds only windows with a known continuation)
                     start = -1
             if start >= 0:
-                lo, hi = start + n, start + n + k
-                return seq[lo:hi] if hi <= known else tail[lo - base : hi - base] if lo >= base else seq[lo:] + list(prefix[: hi - known])
+                lo, hi = start + n, start + n + k  # (known + prefix)[lo:hi]
+                if hi <= known:
+                    return seq[lo:hi]
+                if lo >= base:
+                    return tail[lo - base : hi - base]
+                return seq[lo:] + list(prefix[: hi - known])
         return []
 
 
