@@ -6,27 +6,42 @@ import pytest
 
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from splash_jax.engine.draft_budget import (
-    EXPLORE_EVERY, EXPLORE_STEPS, FOLLOW_STEPS, LEARN_EVERY, MAX_PROBE_GAP, MIN_ALPHA, PROBE_GAP, Acceptance, DraftBudget)
+    EXPLORE_EVERY, EXPLORE_STEPS, FOLLOW_STEPS, LEARN_EVERY, MAX_PROBE_GAP, MIN_ALPHA, PROBE_GAP, Acceptance, DraftBudget,
+    step_yields)
 from splash_jax.engine.set_acceptance import SetAcceptanceDrafter
 from splash_jax.model import RuntimeOptions
 from splash_jax.paths import DEFAULT_MODEL
 from splash_jax.weights.loader import load_model
 
 
+def observe(b: DraftBudget, tokens, seconds) -> None:
+    """The step b chose last made tokens[l] at each level l <= its level (what a step at that level
+    tells: engine step_yields) in seconds[its level] (or `seconds` for every level)."""
+    level = b.level
+    b.observe(b.take_key(), tuple(tokens[: level + 1]), seconds if isinstance(seconds, (int, float)) else seconds[level])
+
+
+def test_step_yields_are_what_each_lower_cap_would_have_kept_of_the_same_drafts():
+    # three requests kept 3, 0 and 1 drafts: capped at l, each keeps min(kept, l)
+    assert step_yields([4, 1, 2], 3) == (3, 5, 6, 7)
+    assert step_yields([4, 1, 2], 1) == (3, 5)
+    assert step_yields([1, 1], 0) == (2,)
+
+
 def test_each_level_is_measured_then_the_fastest_runs_with_the_others_tried_now_and_then():
     b = DraftBudget(3)
-    rates = {0: 10, 1: 18, 2: 24, 3: 21}
+    tokens, seconds = (10, 18, 24, 28), (1.0, 1.0, 1.0, 28 / 21)  # tokens per second 10, 18, 24, 21
     seen = []
     for _ in range(4 * LEARN_EVERY + 4 * (EXPLORE_STEPS + 1)):  # K first, then off, then the others
         seen.append(b.choose([0.9], [3])[0])
-        b.observe(b.take_key(), rates[b.level], 1.0)
+        observe(b, tokens, seconds)
     assert list(dict.fromkeys(seen)) == [3, 0, 1, 2]
     assert all(seen.count(lv) >= EXPLORE_STEPS + 1 for lv in range(4))  # (the first step at a level is not counted)
     assert seen[-1] == 2
     levels = []
     for _ in range(5 * EXPLORE_EVERY):
         levels.append(b.choose([0.9], [3])[0])
-        b.observe(b.take_key(), rates[b.level], 1.0)
+        observe(b, tokens, seconds)
     assert levels.count(2) > 0.8 * len(levels)  # the fastest level
     every = seen + levels
     runs = [c for a, c in zip(every, every[1:]) if a != c and a == 2]  # the levels tried after the best
@@ -38,7 +53,7 @@ def test_drafts_stay_off_when_steps_without_them_make_more_tokens():
     b = DraftBudget(3)
     for _ in range(4 * LEARN_EVERY + 2 * EXPLORE_EVERY):
         b.choose([0.5, 0.5], [3, 3])
-        b.observe(b.take_key(), 20, 1.0 + 0.2 * b.level)  # drafts add cost and no tokens
+        observe(b, (2, 2, 2, 2), 1.0 + 0.2 * b.level)  # drafts add cost and no tokens
     assert b.summary()["level"] == 0
 
 
@@ -52,7 +67,8 @@ def test_level_0_is_measured_again_so_a_low_first_reading_of_it_does_not_stick()
         level = b.choose([0.5], [3])[0]
         seen.append(level)
         first_reading = b.buckets[1].samples.get(0, 0) < EXPLORE_STEPS
-        b.observe(b.take_key(), {0: 6.0 if first_reading else 10.0, 1: 8.0, 2: 9.0, 3: 8.5}[level], 1.0)
+        # tokens per second 6 (then 10), 8, 9 and 8.5: the drafts' tokens cost more time than they save
+        observe(b, (10, 12, 13, 13.5), (10 / 6 if first_reading else 1.0, 12 / 8, 13 / 9, 13.5 / 8.5))
     assert b.summary()["level"] == 0
     assert seen[-300:].count(0) > 0.95 * 300  # explorations of the others have backed off
 
@@ -63,15 +79,11 @@ def test_each_batch_size_bucket_learns_its_own_level():
     mix their rates (a key change leaves the next step out)."""
     b = DraftBudget(3)
 
-    def rate(batch, level):  # tokens per second: 1 + 0.6 + 0.36 + ... per request, cost by batch
-        tokens = batch * sum(0.6 ** i for i in range(level + 1))
-        return tokens, (1.0 if batch < 4 else 1.0 + 0.8 * level)
-
     for i in range(3000):
         batch = 2 if (i // 7) % 2 else 16  # runs of 7 steps at each size
         b.choose([0.9] * batch, [3] * batch)
-        tokens, seconds = rate(batch, b.level)
-        b.observe(b.take_key(), tokens, seconds)
+        # tokens: 1 + 0.6 + 0.36 + ... per request; cost by batch
+        observe(b, [batch * sum(0.6 ** i for i in range(lv + 1)) for lv in range(4)], 1.0 if batch < 4 else 1.0 + 0.8 * b.level)
     by = b.summary()["by_batch"]
     assert by[2]["level"] == 3 and by[16]["level"] == 0, by
     assert by[16]["tokens_per_s_by_level"][0] == pytest.approx(16.0)
@@ -83,7 +95,7 @@ def test_a_new_batch_size_starts_at_the_level_of_the_nearest_one_measured():
     b = DraftBudget(3)
     for _ in range(4 * LEARN_EVERY + 4 * (EXPLORE_STEPS + 1)):  # 16 requests: drafts lose
         b.choose([0.9] * 16, [3] * 16)
-        b.observe(b.take_key(), 16, 1.0 + 0.8 * b.level)
+        observe(b, (16, 16, 16, 16), 1.0 + 0.8 * b.level)
     assert b.summary()["by_batch"][16]["level"] == 0
     assert b.choose([0.9] * 40, [3] * 40) == [0] * 40  # 32-63 requests: not measured, starts at 0
     assert b.choose([0.9], [3]) == [0]  # and so does 1 (the nearest measured bucket is still 16-31)
@@ -96,16 +108,33 @@ def test_a_batch_passing_through_runs_the_learned_level_and_a_batch_that_stays_l
     b = DraftBudget(3)
     for _ in range(4 * LEARN_EVERY + 4 * (EXPLORE_STEPS + 1)):  # 64 requests: level 2 is best
         b.choose([0.9] * 64, [3] * 64)
-        b.observe(b.take_key(), 64 * (1, 1.5, 1.8, 1.7)[b.level], 1.0)
+        observe(b, (64, 96, 115.2, 121.6), (1.0, 1.0, 1.0, 1.9 / 1.7))  # 64 x (1, 1.5, 1.8, 1.7) tokens per second
     assert b.summary()["by_batch"][64]["level"] == 2
     drain = [b.choose([0.9] * n, [3] * n)[0] for n in range(63, 0, -1)]
     assert drain == [2] * len(drain)  # no level tried in the drain, whatever the nearest bucket's start was
     stays = []
     for _ in range(FOLLOW_STEPS + 4 * LEARN_EVERY + 4 * (EXPLORE_STEPS + 1)):  # 4 requests, drafts lose
         stays.append(b.choose([0.9] * 4, [3] * 4)[0])
-        b.observe(b.take_key(), 4, 1.0 + b.level)
+        observe(b, (4, 4, 4, 4), 1.0 + b.level)
     assert stays[: FOLLOW_STEPS - 4] == [2] * (FOLLOW_STEPS - 4)  # (4 of the drain's steps were at 4-7 requests)
     assert b.summary()["by_batch"][4]["level"] == 0 and stays[-1] == 0
+
+
+def test_levels_are_compared_on_the_same_steps_not_on_text_read_at_different_places():
+    """One request (batch 1), steps as long at every drafting level. Levels 0-2 are measured
+    where the text repeats (every draft kept), level 3 where it repeats every other step: its own
+    steps make 2.5 tokens, fewer than level 2's 3 there. Compared on its own steps level 2 would
+    win; on the same steps level 3 makes 1.25x what level 2 would have, so level 3 runs."""
+    b = DraftBudget(3)
+    levels = []
+    for i in range(4 * LEARN_EVERY + 4 * (EXPLORE_STEPS + 1) + 3 * EXPLORE_EVERY):
+        levels.append(b.choose([0.9], [3])[0])
+        made = [(1, 2, 3, (4, 1)[i % 2])[b.level]]  # at level 3: all three drafts kept, then none
+        b.observe(b.take_key(), step_yields(made, b.level), 0.9 if b.level == 0 else 1.0)
+    rate = b.buckets[1].rate
+    assert rate[3] / rate[2] == pytest.approx((4 + 1) / (3 + 1)), rate  # level 3's steps, kept at 3 and at 2 drafts
+    assert b.summary()["level"] == 3
+    assert levels[-EXPLORE_EVERY:].count(3) > 0.8 * EXPLORE_EVERY
 
 
 def test_a_request_whose_drafts_are_rarely_kept_gets_none_at_any_level():

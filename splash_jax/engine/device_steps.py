@@ -17,6 +17,7 @@ import numpy as np
 
 from splash_jax.attention.expanded import min_chunk_tokens, worth_expanding
 from splash_jax.engine.core_output import CoreOutput
+from splash_jax.engine.draft_budget import step_yields
 from splash_jax.engine.inflight import InFlight, collect_prompt_logprobs
 from splash_jax.engine.request import Request, Status
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode, needs_full
@@ -198,7 +199,8 @@ class DeviceSteps:
         made = sum(len(o.new_token_ids) for o in outputs.values())
         self._recent.append((now, made))
         if record is not None and not record.prefill_tokens and self.draft_budget is not None and step.draft_key is not None:
-            self.draft_budget.observe(step.draft_key, made, record.interval_s)
+            counts = [len(o.new_token_ids) for o in outputs.values()]
+            self.draft_budget.observe(step.draft_key, step_yields(counts, step.draft_key[1]), record.interval_s)
         if self.mtp is not None:
             self._record_drafts(step)
         return list(outputs.values())

@@ -5,11 +5,21 @@ A first version predicted it: a request's expected yield 1 + alpha + ... + alpha
 measured cost of a step of that many tokens. On an H200 (V2-Lite, set acceptance 0.3, batch 32)
 it predicted 1.17x and measured 0.99x: overlapped steps, host work and the yield of the last
 steps of each request are not in that arithmetic. So the budget measures what each cap of drafts
-per request yields: a cap L in 0..K is a level; each decode-only step reports the tokens it
-output over its interval (back to back with the one before); a level's rate is tokens over
-seconds of its last WINDOW steps, per batch bucket (1, 2-3, 4-7, 8-15, ... decoding requests: a
-step's cost and what a draft is worth change with the batch, so rates measured at one size do
-not decide another). It runs the best level of the step's bucket. A new bucket starts at the
+per request yields: a cap L in 0..K is a level; each decode-only step reports its interval (back
+to back with the one before) and the tokens it output, per batch bucket (1, 2-3, 4-7, 8-15, ...
+decoding requests: a step's cost and what a draft is worth change with the batch, so rates
+measured at one size do not decide another).
+
+A level's rate is its tokens per step over its median interval (seconds of its own last WINDOW
+steps). Tokens per step are compared on the same steps: a step at level L also tells what every
+lower level would have output there, since a request capped at l < L would have verified the first
+l of the same drafts (drafts are prefixes of longer ones: n-gram, MTP and set-acceptance alike) and
+kept min(kept, l) (`step_yields`). So level l's tokens are level l-1's times the ratio of their
+yields over the stored steps that ran at l or above. Compared by their own steps' tokens, two levels
+read the request's text at different places: on the bundled model's `repeat` prompts at batch 1,
+5-step readings of level 2 made 1.7-3.0 tokens a step, and a level-3 reading taken where the text
+did not repeat kept the server at level 2 for the rest of a run while its drafts were kept 98% of
+the time. It runs the best level of the step's bucket. A new bucket starts at the
 best level of the nearest one measured (K for the first) and measures the other levels in turn,
 one every LEARN_EVERY steps for EXPLORE_STEPS measured steps (level 0 first, then K, then the
 rest). Until it has run FOLLOW_STEPS steps, a bucket that has not measured every level runs the
@@ -112,12 +122,22 @@ def batch_bucket(requests: int) -> int:
     return max(requests, 1).bit_length()
 
 
+def step_yields(made, level: int) -> tuple[int, ...]:
+    """Tokens a decode step at `level` output (`made`: each request's), and would have output at
+    each lower level: a request capped at l verifies the first l of its drafts and keeps min(kept, l),
+    so it outputs min(made, l + 1) -> (yield at 0, ..., yield at level)."""
+    return tuple(sum(min(m, lv + 1) for m in made) for lv in range(level + 1))
+
+
 class _Levels:
-    """Measured tokens per second by level at one batch bucket, and the exploration state there."""
+    """Measured steps by level at one batch bucket, and the exploration state there."""
 
     def __init__(self, max_k: int, start: int):
         self.max_k = max_k
-        self.window: dict[int, collections.deque] = {}  # level -> its last WINDOW (tokens, seconds)
+        self.window: dict[int, collections.deque] = {}  # level -> its last WINDOW steps: (yields, seconds)
+        # sums[l] = [yields at l, yields at l - 1] over the stored steps at level >= l (l = 0: [yields at 0,
+        # steps]), kept as steps come and go: level l's tokens per step are base * prod(sums[i] ratios, i <= l)
+        self._sums = [[0, 0] for _ in range(max_k + 1)]
         self.samples: dict[int, int] = {}  # level -> steps measured
         self.level = self.best = start  # the level chosen last; the best measured one
         self._fresh: int | None = None  # an explored level whose next reading replaces its window
@@ -127,9 +147,11 @@ class _Levels:
         self._period = EXPLORE_EVERY  # steps between explorations (doubles while the best holds)
         self._next = LEARN_EVERY  # the step of the next exploration
         self.followed = 0  # steps run at a learned neighbour's best level (FOLLOW_STEPS)
-        # `rate` by level, each kept until that level's next reading: a step's pick reads them all,
-        # and computing every level's each step took 28 us of the 2-core host (a few % of a batch-1 step)
-        self._rate: dict[int, float] = {}
+        # a step's pick reads every level's rate: each median interval is kept until its level's next
+        # reading, the rates until any reading (computing them all each step took 28 us of the 2-core
+        # host, a few % of a batch-1 step)
+        self._interval: dict[int, float] = {}
+        self._rate: dict[int, float] | None = None
 
     @property
     def learned(self) -> bool:
@@ -138,20 +160,47 @@ class _Levels:
 
     @property
     def rate(self) -> dict[int, float]:
-        """Tokens per second by level over its last WINDOW measured steps: their mean tokens over
-        their median interval (one step held up by the host, 2x its neighbours, moves a mean
-        interval of 5 steps by 20% and the median not at all)."""
-        for lv, w in self.window.items():
-            if lv not in self._rate:
-                self._rate[lv] = sum(t for t, _ in w) / len(w) / _median(s for _, s in w)
+        """Tokens per second by level (of the levels with steps of their own): tokens per step
+        compared on the same steps (module docstring) over the median interval of the level's own
+        last WINDOW steps (one step held up by the host, 2x its neighbours, moves a mean interval
+        of 5 steps by 20% and the median not at all)."""
+        if self._rate is None:
+            rate, sums = {}, self._sums
+            tokens = sums[0][0] / sums[0][1] if sums[0][1] else 0.0
+            for lv in range(self.max_k + 1):
+                if lv:
+                    if not sums[lv][1]:  # no step ran at lv or above
+                        break
+                    tokens *= sums[lv][0] / sums[lv][1]
+                if self.window.get(lv):
+                    if lv not in self._interval:
+                        self._interval[lv] = _median(s for _, s in self.window[lv])
+                    rate[lv] = tokens / self._interval[lv]
+            self._rate = rate
         return self._rate
 
-    def observe(self, level: int, tokens: int, seconds: float) -> None:
-        self._rate.pop(level, None)
+    def _count(self, yields: tuple[int, ...], sign: int) -> None:
+        sums = self._sums
+        sums[0][0] += sign * yields[0]
+        sums[0][1] += sign
+        for lv in range(1, len(yields)):
+            sums[lv][0] += sign * yields[lv]
+            sums[lv][1] += sign * yields[lv - 1]
+
+    def observe(self, level: int, yields: tuple[int, ...], seconds: float) -> None:
+        """A step at `level` output yields[level] tokens (and would have output yields[l] at level l)."""
+        self._rate = None
+        self._interval.pop(level, None)
+        window = self.window.setdefault(level, collections.deque())
         if level == self._fresh:  # an exploration's readings replace the level's old ones
-            self.window.pop(level, None)
+            while window:
+                self._count(window.popleft()[0], -1)
             self._fresh = None
-        self.window.setdefault(level, collections.deque(maxlen=WINDOW)).append((tokens, seconds))
+        if len(window) == WINDOW:
+            self._count(window.popleft()[0], -1)
+        entry = (tuple(yields[: level + 1]), seconds)
+        window.append(entry)
+        self._count(entry[0], +1)
         self.samples[level] = self.samples.get(level, 0) + 1
 
     def pick(self) -> int:
@@ -214,14 +263,15 @@ class DraftBudget:
         key, self.key = self.key, None
         return key
 
-    def observe(self, key: tuple[int, int], tokens: int, seconds: float) -> None:
-        """A decode-only step chosen at `key` = (bucket, level) output `tokens` tokens in
-        `seconds`. The first step at a new key is left out: its interval and tokens still carry
-        the previous level's steps in flight (an ahead chunk, the overlapped host work)."""
+    def observe(self, key: tuple[int, int], yields: tuple[int, ...], seconds: float) -> None:
+        """A decode-only step chosen at `key` = (bucket, level) took `seconds` and output yields[level]
+        tokens, yields[l] at each lower level l (`step_yields`). The first step at a new key is left
+        out: its interval and tokens still carry the previous level's steps in flight (an ahead
+        chunk, the overlapped host work)."""
         previous, self._observed = self._observed, key
         if seconds <= 0 or key != previous:
             return
-        self.buckets[key[0]].observe(key[1], tokens, seconds)
+        self.buckets[key[0]].observe(key[1], yields, seconds)
 
     def choose_level(self, requests: int) -> int:
         """The level of the next step, of `requests` decoding requests; `self.key` is its (bucket,
