@@ -15,7 +15,8 @@ steps). Tokens per step are compared on the same steps: a step at level L also t
 lower level would have output there, since a request capped at l < L would have verified the first
 l of the same drafts (drafts are prefixes of longer ones: n-gram, MTP and set-acceptance alike) and
 kept min(kept, l) (`step_yields`). So level l's tokens are level l-1's times the ratio of their
-yields over the stored steps that ran at l or above. Compared by their own steps' tokens, two levels
+yields over the last WINDOW drafting steps that ran at l or above (over older stored ones if none
+did). Compared by their own steps' tokens, two levels
 read the request's text at different places: on the bundled model's `repeat` prompts at batch 1,
 5-step readings of level 2 made 1.7-3.0 tokens a step, and a level-3 reading taken where the text
 did not repeat kept the server at level 2 for the rest of a run while its drafts were kept 98% of
@@ -138,6 +139,7 @@ class _Levels:
         # sums[l] = [yields at l, yields at l - 1] over the stored steps at level >= l (l = 0: [yields at 0,
         # steps]), kept as steps come and go: level l's tokens per step are base * prod(sums[i] ratios, i <= l)
         self._sums = [[0, 0] for _ in range(max_k + 1)]
+        self.recent: collections.deque = collections.deque(maxlen=WINDOW)  # yields of the last drafting steps, any level
         self.samples: dict[int, int] = {}  # level -> steps measured
         self.level = self.best = start  # the level chosen last; the best measured one
         self._fresh: int | None = None  # an explored level whose next reading replaces its window
@@ -169,9 +171,13 @@ class _Levels:
             tokens = sums[0][0] / sums[0][1] if sums[0][1] else 0.0
             for lv in range(self.max_k + 1):
                 if lv:
-                    if not sums[lv][1]:  # no step ran at lv or above
+                    # the ratio over the last drafting steps that ran at lv or above, else over every
+                    # stored one (a stale level's readings would otherwise drag every level above it)
+                    above = [y for y in self.recent if len(y) > lv]
+                    kept, below = (sum(y[lv] for y in above), sum(y[lv - 1] for y in above)) if above else sums[lv]
+                    if not below:  # no step ran at lv or above
                         break
-                    tokens *= sums[lv][0] / sums[lv][1]
+                    tokens *= kept / below
                 if self.window.get(lv):
                     if lv not in self._interval:
                         self._interval[lv] = _median(s for _, s in self.window[lv])
@@ -201,6 +207,8 @@ class _Levels:
         entry = (tuple(yields[: level + 1]), seconds)
         window.append(entry)
         self._count(entry[0], +1)
+        if level:
+            self.recent.append(entry[0])
         self.samples[level] = self.samples.get(level, 0) + 1
 
     def pick(self) -> int:
