@@ -16,11 +16,12 @@ lower level would have output there, since a request capped at l < L would have 
 l of the same drafts (drafts are prefixes of longer ones: n-gram, MTP and set-acceptance alike) and
 kept min(kept, l) (`step_yields`). So level l's tokens are level l-1's times the ratio of their
 yields over the last WINDOW drafting steps that ran at l or above (over older stored ones if none
-did). Compared by their own steps' tokens, two levels
-read the request's text at different places: on the bundled model's `repeat` prompts at batch 1,
-5-step readings of level 2 made 1.7-3.0 tokens a step, and a level-3 reading taken where the text
-did not repeat kept the server at level 2 for the rest of a run while its drafts were kept 98% of
-the time. It runs the best level of the step's bucket. A new bucket starts at the
+did). Compared by their own steps' tokens, two levels read the request's text at different places:
+on the bundled model's `repeat` prompts at batch 1, 5-step readings of level 2 made 1.7-3.0 tokens
+a step, and a server whose drafts were kept 98% of the time read level 3 below level 2 and ran
+level 2 (docs/speculative.md, "Tokens per step compared on the same steps").
+
+It runs the best level of the step's bucket. A new bucket starts at the
 best level of the nearest one measured (K for the first) and measures the other levels in turn,
 one every LEARN_EVERY steps for EXPLORE_STEPS measured steps (level 0 first, then K, then the
 rest). Until it has run FOLLOW_STEPS steps, a bucket that has not measured every level runs the
@@ -137,7 +138,7 @@ class _Levels:
         self.max_k = max_k
         self.window: dict[int, collections.deque] = {}  # level -> its last WINDOW steps: (yields, seconds)
         # sums[l] = [yields at l, yields at l - 1] over the stored steps at level >= l (l = 0: [yields at 0,
-        # steps]), kept as steps come and go: level l's tokens per step are base * prod(sums[i] ratios, i <= l)
+        # steps], the requests per step), kept as steps come and go: the ratios where no recent step ran at l
         self._sums = [[0, 0] for _ in range(max_k + 1)]
         self.recent: collections.deque = collections.deque(maxlen=WINDOW)  # yields of the last drafting steps, any level
         self.samples: dict[int, int] = {}  # level -> steps measured
