@@ -196,10 +196,9 @@ class DeviceSteps:
                 out.finish_reason, out.stop_token, out.stop_reason, out.error = (
                     update.finish_reason, update.stop_token, r.stop_reason if isinstance(r.stop_reason, int) else None, r.error)
                 self._requests.pop(r.request_id, None)
-        made = sum(len(o.new_token_ids) for o in outputs.values())
-        self._recent.append((now, made))
+        counts = [len(o.new_token_ids) for o in outputs.values()]
+        self._recent.append((now, sum(counts)))
         if record is not None and not record.prefill_tokens and self.draft_budget is not None and step.draft_key is not None:
-            counts = [len(o.new_token_ids) for o in outputs.values()]
             self.draft_budget.observe(step.draft_key, step_yields(counts, step.draft_key[1]), record.interval_s)
         if self.mtp is not None:
             self._record_drafts(step)

@@ -127,8 +127,10 @@ def batch_bucket(requests: int) -> int:
 def step_yields(made, level: int) -> tuple[int, ...]:
     """Tokens a decode step at `level` output (`made`: each request's), and would have output at
     each lower level: a request capped at l verifies the first l of its drafts and keeps min(kept, l),
-    so it outputs min(made, l + 1) -> (yield at 0, ..., yield at level)."""
-    return tuple(sum(min(m, lv + 1) for m in made) for lv in range(level + 1))
+    so it outputs min(made, l + 1) -> (yield at 0, ..., yield at level). Counted by distinct values
+    (at most level + 1 of them): a sum per level over every request took 85 us a step at batch 128."""
+    counts = collections.Counter(made).items()
+    return tuple(sum(n * min(m, lv + 1) for m, n in counts) for lv in range(level + 1))
 
 
 class _Levels:
