@@ -55,7 +55,8 @@ class SpecBench:
     batches: str = "1,8"
     drafts: str = "0,1,2,3,4"  # K per run; 0 = speculation off (overlapped)
     # draft sources to run: ngram and/or mtp (mtp needs a checkpoint with an MTP layer); a -sync suffix
-    # (ngram-sync, mtp-sync) runs that method's steps without overlapped scheduling (set_overlap(False))
+    # (ngram-sync, mtp-sync) runs that method's steps without overlapped scheduling (set_overlap(False));
+    # ngram/late, ngram/sync, ngram/ahead run n-gram with that --speculative-ngram-drafts mode
     methods: str = "ngram"
     workloads: str = "copy,fresh,repeat"
     max_tokens: int = 128
@@ -156,11 +157,23 @@ def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = N
     return Run(seconds, outs, full_batch_rate(steps, len(texts)), median_tpot(outs), num_steps)
 
 
+def split_method(method: str) -> tuple[str, bool, str | None]:
+    """'ngram/late-sync' -> (drafter 'ngram', overlapped False, n-gram drafts mode 'late')."""
+    name = method.removesuffix("-sync")
+    drafter, _, mode = name.partition("/")
+    return drafter, name == method, mode or None
+
+
+NGRAM_DRAFTS: dict[int, str] = {}  # each engine's --speculative-ngram-drafts, for methods that name none
+
+
 def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int) -> tuple[Run, dict]:
     """One timed run (after an unmeasured one when an adaptive draft budget has to learn) ->
     (the run, speculative stats)."""
-    engine.set_overlap(not method.endswith("-sync"))
-    engine.set_speculative(method.removesuffix("-sync") if k else "off", k or None)
+    drafter, overlapped, mode = split_method(method)
+    engine.set_overlap(overlapped)
+    engine.config.speculative_ngram_drafts = mode or NGRAM_DRAFTS.setdefault(id(engine), engine.config.speculative_ngram_drafts)
+    engine.set_speculative(drafter if k else "off", k or None)
     if k and engine.config.speculative_adaptive:
         engine.reset_prefix_cache()
         run(engine, texts, max_tokens)  # trains the budget (its first steps try each level)
@@ -225,7 +238,7 @@ def main(argv=None):
                                     steps_on=base_run.steps), differ, first_diff)]
             for method in methods:
                 for k in (k for k in drafts if k):
-                    engine = engines[method.removesuffix("-sync")]
+                    engine = engines[split_method(method)[0]]
                     c = cell(engine, base_engine, method, k, texts, bench)
                     runs.append((method, k, c, *divergence(c.outs, base)))
             for s in STEPS:

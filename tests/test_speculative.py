@@ -101,16 +101,16 @@ def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
     assert engine.num_steps - steps < max(len(w.token_ids) for w in want)  # fewer steps than tokens
 
 
-@pytest.mark.parametrize("sync", [True, False], ids=["from-the-step-before", "behind-the-step-in-flight"])
-def test_ngram_drafts_read_the_step_before_or_go_behind_it_and_keep_outputs(engine, sync):
-    """--speculative-ngram-sync (default): while drafting, a step reads the step in flight back
-    first and drafts from its tokens, so the steps that draft do not overlap; off, verify chunks
-    go ahead of the step in flight with drafts after a guess of its token. Greedy outputs equal
-    decoding one token per step either way."""
+@pytest.mark.parametrize("mode", ["late", "sync", "ahead"])
+def test_ngram_drafts_late_bound_read_first_or_guessed_keep_outputs(engine, mode):
+    """--speculative-ngram-drafts: late (default) packs a drafting step behind the step in flight
+    and rewrites its drafts from that step's tokens before the launch, so every step overlaps;
+    sync reads the step in flight back first, so the steps that draft do not; ahead drafts after
+    a guess of its token. Greedy outputs equal decoding one token per step in every mode."""
     params = [SamplingParams(max_tokens=m) for m in (40, 33, 27, 12)]
     want = _generate(engine, "off", params)
     engine.set_speculative("ngram")
-    engine.config.speculative_ngram_sync = sync
+    engine.config.speculative_ngram_drafts = mode
     overlapped, step = [], engine.step
 
     def recording_step():
@@ -123,10 +123,50 @@ def test_ngram_drafts_read_the_step_before_or_go_behind_it_and_keep_outputs(engi
         got = engine.generate(PROMPTS, params)
     finally:
         del engine.step
-        engine.config.speculative_ngram_sync = True
+        engine.config.speculative_ngram_drafts = "late"
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert engine.stats()["speculative"]["accepted_tokens"] > 0
-    assert not all(overlapped) if sync else all(overlapped)  # (level-0 steps overlap either way)
+    spec = engine.stats()["speculative"]
+    assert spec["accepted_tokens"] > 0
+    assert not all(overlapped) if mode == "sync" else all(overlapped)  # (level-0 steps overlap in every mode)
+    assert (spec["late_bound_chunks"] > 0) == (mode == "late")
+
+
+def test_late_bound_drafts_are_packed_as_a_step_packed_with_them(engine, monkeypatch):
+    """The patched buffer of a late-bound step equals the buffer packed afresh from its chunks
+    once they hold the late drafts (plain verify chunks: token slots and draft rows; ahead chunks:
+    the variant of the count the step in flight kept), and the late drafts keep more per verify
+    step than the guessed ones (fixed K = 3, no budget)."""
+    from splash_jax.engine import device_steps, late_drafts
+
+    checked, changed = [], []
+
+    def binding_and_checking(shape, chunks, packed, tokens, drafter):
+        before = packed.rep.copy()
+        bound = late_drafts.bind_late_drafts(shape, chunks, packed, tokens, drafter)
+        _, _, fresh = engine._pack(chunks)
+        np.testing.assert_array_equal(packed.rep, fresh.rep)
+        checked.append(bound)
+        changed.append(int((before != packed.rep).sum()))
+        return bound
+
+    params = [SamplingParams(max_tokens=m) for m in (40, 33, 27, 12)]
+    kept = {}
+    engine.config.speculative_adaptive = False
+    try:
+        for mode in ("ahead", "late"):
+            engine.set_speculative("ngram")
+            engine.config.speculative_ngram_drafts = mode
+            if mode == "late":
+                monkeypatch.setattr(device_steps, "bind_late_drafts", binding_and_checking)
+            engine.generate(PROMPTS, params)
+            spec = engine.stats()["speculative"]
+            kept[mode] = spec["accepted_tokens"] / spec["verify_chunks"]
+    finally:
+        engine.config.speculative_ngram_drafts = "late"
+        engine.config.speculative_adaptive = True
+        engine.set_speculative("ngram")
+    assert sum(checked) > 0 and sum(changed) > 0  # drafts were rewritten, and the patch matched a fresh pack
+    assert kept["late"] > kept["ahead"], kept
 
 
 def test_max_tokens_and_stops_landing_inside_a_verify_chunk(engine):

@@ -14,6 +14,8 @@ import typing
 
 from splash_jax.policy import PolicyConfig
 
+NGRAM_DRAFTS = ("late", "sync", "ahead")  # --speculative-ngram-drafts (engine/late_drafts.py)
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -130,12 +132,13 @@ class EngineConfig:
     speculative_adaptive: bool = True
     speculative_ngram_min: int = 1  # ngram: shortest suffix n-gram matched
     speculative_ngram_max: int = 4  # ngram: longest suffix n-gram matched (tried first)
-    # ngram: while drafting (a draft budget level above 0; always without --speculative-adaptive)
-    # or while a seeded sampled request runs, a step reads the step before it back first and drafts
-    # from its tokens instead of one step behind them; level-0 steps still overlap. The lag cost
-    # n-gram 28-57% of its kept drafts; on one H100 (bundled model) steps without it made
-    # 1.23-1.68x speculation off at batch 8 against 0.73-1.23x with it (docs/speculative.md).
-    speculative_ngram_sync: bool = True
+    # ngram: how a step that drafts follows the step in flight, whose tokens its drafts follow.
+    # late: scheduled and packed behind it with guessed drafts, which are rewritten from its tokens
+    # just before the launch (engine/late_drafts.py); sync: it reads that step back first and then
+    # schedules (the device idles meanwhile); ahead: drafts after a guess of its tokens (they lag a
+    # step: 28-57% of the drafts kept were lost on the bundled model). Level-0 steps overlap in every
+    # mode; a seeded sampled request (its tokens depend on its drafts) makes steps sync, except ahead.
+    speculative_ngram_drafts: str = "late"
     max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
     max_logit_bias: int = 64  # logit_bias entries per request; fixes the sampler's bias columns
     seed: int = 0  # seeds the dummy weights and the draw of a seed for each request that gives none
@@ -307,6 +310,9 @@ class EngineConfig:
 
         if self.speculative_method not in LIBRARY_METHODS:
             raise ValueError(f"--speculative-method must be one of {', '.join(METHODS)}, got {self.speculative_method!r}")
+        if self.speculative_ngram_drafts not in NGRAM_DRAFTS:
+            raise ValueError(f"--speculative-ngram-drafts must be one of {', '.join(NGRAM_DRAFTS)}, "
+                             f"got {self.speculative_ngram_drafts!r}")
         if self.speculative_method != "off" and not 1 <= self.speculative_tokens <= 16:
             raise ValueError(f"--speculative-tokens must be in [1, 16], got {self.speculative_tokens}")
         if self.layout_policy == "auto" and not self.enable_switching:

@@ -19,6 +19,7 @@ from splash_jax.attention.expanded import min_chunk_tokens, worth_expanding
 from splash_jax.engine.core_output import CoreOutput
 from splash_jax.engine.draft_budget import step_yields
 from splash_jax.engine.inflight import InFlight, collect_prompt_logprobs
+from splash_jax.engine.late_drafts import bind_late_drafts
 from splash_jax.engine.request import Request, Status
 from splash_jax.engine.sampler import FULL_MODE, SamplerMode, needs_full
 from splash_jax.engine.scheduler import ScheduledChunk
@@ -114,6 +115,8 @@ class DeviceSteps:
             keep = self.mtp is not None and self._mtp_keeps(chunks)
             drafted = self.mtp is not None and (
                 keep or self.executor.returns_logits(bucket, full, move is not None, expanded, constrained))
+            if previous is not None and self._binds_late_drafts(chunks):  # n-gram drafts after the tokens it returns
+                self._bind_late(previous, chunks, bucket, expanded, packed)
             self.dispatch_timing.launching(previous)  # (late dispatch: host time to the launch; an idle device)
             out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained,
                                     drafted=drafted)
@@ -142,6 +145,25 @@ class DeviceSteps:
             return InFlight(chunks, packed.rows, None, want, packed.prompt_rows, out, mode, draft_key=key)
         return InFlight(chunks, packed.rows, out, want, packed.prompt_rows, draft_key=key)
 
+    def _bind_late(self, previous: InFlight, chunks, bucket, expanded: bool, packed) -> None:
+        """Read the step in flight back and write the n-gram drafts that follow its tokens over the
+        guessed ones (engine/late_drafts.py). A failed read binds nothing: _complete meets it."""
+        try:
+            tokens = self._read_tokens(previous)
+        except Exception:  # noqa: BLE001 - the step failed on the device: _complete recovers
+            return
+        shape = self.executor.shape(self.layout, bucket, expanded)
+        self.scheduler.spec_stats.late_bound += bind_late_drafts(shape, chunks, packed, tokens, self.scheduler.drafter)
+
+    def _read_tokens(self, step: InFlight) -> np.ndarray:
+        """The step's token vector on the host (read once: a late-bound dispatch reads it first)."""
+        if step.host_tokens is None:
+            self.dispatch_timing.reading(step)  # (late dispatch: a step done before this read is not timed)
+            t = time.perf_counter()
+            step.host_tokens = np.asarray(step.result.tokens)
+            step.read_wait_s = time.perf_counter() - t
+        return step.host_tokens
+
     def _sample_deferred(self, step: InFlight) -> None:
         """Dispatch the sampler program of a step whose forward pass went ahead of its grammar
         masks; before the next step's forward pass, which reads its tokens."""
@@ -164,10 +186,8 @@ class DeviceSteps:
         if step.result is None:  # its deferred sampling failed: _recover already requeued its requests
             return []
         try:
-            self.dispatch_timing.reading(step)  # (late dispatch: a step done before this read is not timed)
-            t = time.perf_counter()
-            tokens = np.asarray(step.result.tokens)[0]  # by logits row (token_vector's row 0)
-            self._last_wait_s = time.perf_counter() - t
+            tokens = self._read_tokens(step)[0]  # by logits row (token_vector's row 0)
+            self._last_wait_s = step.read_wait_s
             self.device_wait_s += self._last_wait_s
             self.dispatch_timing.completed(step, self._last_wait_s)
             r = step.result

@@ -33,6 +33,8 @@ class InFlight:
     dispatch_end: float | None = None  # when its dispatch returned (engine/dispatch_timing.py)
     prefill_tokens: int = 0  # prompt tokens it computes
     features: tuple[float, ...] = ()  # what its device time is fitted to (engine/dispatch_timing.py)
+    host_tokens: np.ndarray | None = None  # its token vector once read back (DeviceSteps._read_tokens)
+    read_wait_s: float = 0.0  # how long that read blocked
 
 
 class GrammarMasks:

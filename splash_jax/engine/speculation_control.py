@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from splash_jax.engine.core_output import CoreOutput
 from splash_jax.engine.draft_budget import keeps_k
+from splash_jax.engine.late_drafts import depends_on_step_in_flight
 from splash_jax.engine.speculative import NgramDrafter
 
 
@@ -23,18 +24,27 @@ class SpeculationControl:
                 and hasattr(self.scheduler.drafter, "propose_after"))
 
     def _drafts_after_the_step_in_flight(self) -> bool:
-        """Whether this step reads the step in flight back first and drafts from its tokens: n-gram
-        drafts (--speculative-ngram-sync) while the draft budget's level, chosen at the last step, is
-        above 0 (always without a budget), or while a request that keeps its K (a seeded sampled one,
-        which drafts at every level) runs: its drafts, and so its tokens, must not depend on when the
-        level changed. Behind a step in flight an n-gram lookup must guess the token that step
-        samples, and its drafts are right only when the guess was (docs/speculative.md, "The lag");
-        a level-0 step drafts nothing and overlaps as with speculation off."""
-        if not (self.config.speculative_ngram_sync and self.config.overlap_scheduling
-                and isinstance(self.scheduler.drafter, NgramDrafter)):
+        """Whether this step reads the step in flight back before it is scheduled and drafts from
+        its tokens (--speculative-ngram-drafts sync): n-gram drafts while the draft budget's level,
+        chosen at the last step, is above 0 (always without a budget). Also in `late` mode while a
+        request that keeps its K runs (a seeded sampled one, which drafts at every level): its
+        drafts, and so its tokens, must not depend on the guess a late-bound chunk is sized by; and
+        on an MTP engine, whose steps also carry next tokens late binding does not rewrite. A
+        level-0 step drafts nothing and overlaps as with speculation off."""
+        mode = self.config.speculative_ngram_drafts
+        if mode == "ahead" or not (self.config.overlap_scheduling and isinstance(self.scheduler.drafter, NgramDrafter)):
+            return False
+        if mode == "late" and self.mtp is None and not any(keeps_k(r) for r in self.scheduler.running):
             return False
         budget = self.draft_budget
         return budget is None or budget.level > 0 or any(keeps_k(r) for r in self.scheduler.running)
+
+    def _binds_late_drafts(self, chunks) -> bool:
+        """Whether a step dispatched behind another rewrites its guessed n-gram drafts from that
+        step's tokens before its launch (engine/late_drafts.py): only a step with such drafts waits
+        for the step in flight."""
+        return (self.config.speculative_ngram_drafts == "late" and self.mtp is None
+                and isinstance(self.scheduler.drafter, NgramDrafter) and any(map(depends_on_step_in_flight, chunks)))
 
     def _set_drafting(self) -> None:
         """Overlapped speculation pauses while a layout switch runs: its plans copy the pages of

@@ -118,6 +118,12 @@ class NgramDrafter:
         guess = index.lookup(k, prefix)[:1]
         return index.lookup(k, prefix + tuple(guess)) if guess else []
 
+    def propose_known(self, request: Request, k: int, prefix: tuple[int, ...]) -> list[int]:
+        """Drafts after the known tokens and `prefix`, tokens the host has read back but not yet
+        applied to the request (late-bound drafts, engine/late_drafts.py): what propose() returns
+        once they are applied."""
+        return self._of(request).lookup(k, tuple(prefix)) if k > 0 else []
+
 
 class NgramIndex:
     """One request's n-grams (min_n..max_n tokens) -> the latest start that has a token after it:
@@ -269,6 +275,7 @@ class SpeculativeStats:
     accepted_tokens: int = 0
     histogram: list[int] = dataclasses.field(default_factory=list)  # [a]: verify chunks that accepted a drafts
     ahead_chunks: int = 0  # chunks scheduled behind a verify chunk still on the device (overlapped speculation)
+    late_bound: int = 0  # chunks whose guessed n-gram drafts were rewritten before launch (engine/late_drafts.py)
 
     def __post_init__(self):
         self.histogram = self.histogram or [0] * (self.k + 1)
@@ -287,4 +294,5 @@ class SpeculativeStats:
             "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
             "mean_accepted_per_step": self.accepted_tokens / chunks if chunks else 0.0,
             "accepted_histogram": list(self.histogram), "ahead_chunks": self.ahead_chunks,
+            "late_bound_chunks": self.late_bound,
         }

@@ -59,6 +59,15 @@ class BufferSpec:
         parts = [np.ascontiguousarray(arrays[f.name], f.dtype).view(np.int32).reshape(lead + (-1,)) for f in self.fields]
         return np.concatenate(parts, axis=-1)
 
+    def offset(self, name: str) -> int:
+        """Where field `name` starts in the buffer (host-side patches of a packed step)."""
+        at = 0
+        for f in self.fields:
+            if f.name == name:
+                return at
+            at += f.size
+        raise KeyError(name)
+
     def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:
         """Inside a program: static slices of a 1-D int32 buffer, bit-cast back to each dtype."""
         out, at = {}, 0
@@ -264,6 +273,7 @@ class PackedStep:
     prompt_rows: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (chunk, first row, count): prompt logprobs
     base: np.ndarray | None = None  # [chunks] the step slot of each chunk's first token
     lrow: np.ndarray | None = None  # [chunks] each chunk's page-table row on its devices
+    last_rows: np.ndarray | None = None  # [chunks] each chunk's last logits row (engine/late_drafts.py)
 
 
 def pack_step(
@@ -427,7 +437,7 @@ def pack_step(
         **{"s_" + f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingInputs)}, **ahead,
     })
     dev = shape.device_spec().pack(per_device, lead=(n,))
-    return PackedStep(rep, dev, row[samples].tolist(), prompt_rows, base, lrow)
+    return PackedStep(rep, dev, row[samples].tolist(), prompt_rows, base, lrow, row)
 
 
 def prefill_spans(n: int, lengths: np.ndarray, starts: np.ndarray, lslot: np.ndarray, owners: np.ndarray | None,
