@@ -11,9 +11,12 @@ pack overlapped: the step is packed with the guessed drafts, then the host reads
 back, looks each dependent chunk's drafts up after the tokens it returned, and writes them over the
 guesses in the packed buffer. Only the lookups and the launch wait for the device.
 
-A chunk keeps its shape (the drafts verified, its rows and pages): a lookup that now finds fewer
-drafts leaves the guessed ones after them, which only lowers what the step may keep (a draft never
-changes an output). Greedy outputs are those of decoding one token per step either way.
+A chunk keeps its shape (the drafts verified, its rows and pages), so a request whose guessed
+lookup found fewer drafts than its cap is scheduled with placeholders up to it (Scheduler.pad_drafts):
+the late lookup, one token further on, often finds what the guessed one did not. Where it finds
+fewer, the guessed drafts or placeholders after them stay and only lower what the step may keep (a
+draft never changes an output); acceptance counts only the real ones (`ScheduledChunk.real_drafts`).
+Greedy outputs are those of decoding one token per step either way.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def bind_late_drafts(shape: StepShape, chunks: Sequence, packed: PackedStep, tok
         else:
             prefix = (int(tokens[0, r.pending_row]),)
         late = drafter.propose_known(r, k, prefix)[:k]
+        c.real_drafts = len(late)
         if not late:
             continue
         if c.shift_k:

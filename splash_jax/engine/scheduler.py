@@ -82,6 +82,10 @@ class ScheduledChunk:
     shift_k: int = 0
     variants: tuple[tuple[int, ...], ...] = ()
     admission: int = 0  # the request's admission it was scheduled in (a preempted one's later tokens move nothing)
+    # Late-bound drafts (engine/late_drafts.py): how many of its drafts (of the variant its verify
+    # chunk kept, for an ahead chunk) a lookup found after the real tokens; the rest are
+    # placeholders. -1: every draft is a real one.
+    real_drafts: int = -1
 
     @property
     def writes(self) -> bool:
@@ -162,6 +166,9 @@ class Scheduler(Admission, SpeculativeScheduling):
         # ahead_drafts drafts (StepShape.variants - 1).
         self.speculate_ahead, self.ahead_drafts = False, 0
         self.drafting_paused = False  # no drafts this step (a layout switch runs under overlapped speculation)
+        # drafts behind a token still on the device are bound late (engine/late_drafts.py): a request
+        # whose guessed lookup finds fewer than its cap gets placeholders for the late lookup to fill
+        self.pad_drafts = False
         # The last step scheduled verifies drafts: with overlap, only its chunks can still be on
         # the device when the next is scheduled, so False means no request awaits a verify (the
         # scan for ahead chunks is skipped: at level 0 a step costs the host what it costs off).

@@ -25,7 +25,7 @@ import dataclasses
 
 from splash_jax.engine.draft_budget import DraftBudget, keeps_k
 from splash_jax.engine.request import Request, Status
-from splash_jax.engine.speculative import SpeculativeStats, can_speculate, max_drafts, propose_ahead
+from splash_jax.engine.speculative import SpeculativeStats, can_speculate, max_drafts, placeholders, propose_ahead
 
 
 class SpeculativeScheduling:
@@ -85,12 +85,17 @@ class SpeculativeScheduling:
         for r, k in zip(decoding, limits):
             k = min(k, max(spare, 0))
             if r.awaits_verify:
-                out[id(r)] = propose_ahead(self.drafter, r, k, r.unapplied[-1].drafts)
+                out[id(r)] = propose_ahead(self.drafter, r, k, r.unapplied[-1].drafts, pad=self.pad_drafts)
                 spare -= len(out[id(r)][0])
                 continue
             if not k:
                 continue
-            d = tuple((self.drafter.propose_after(r, k, ()) if r.num_pending else self.drafter.propose(r, k))[:k])
+            if r.num_pending:  # behind its token still on the device
+                d = tuple(self.drafter.propose_after(r, k, ())[:k])
+                if self.pad_drafts:
+                    d = placeholders(d, k)
+            else:
+                d = tuple(self.drafter.propose(r, k)[:k])
             if d:
                 out[id(r)] = d
                 spare -= len(d)
@@ -116,8 +121,12 @@ class SpeculativeScheduling:
         kept drafts final; the rejected drafts' slots are written again by the next step. An ahead
         chunk behind it moves on by `kept`, as the device moved it."""
         request = chunk.request
-        self.spec_stats.record(len(chunk.drafts), kept)
-        request.acceptance.record(len(chunk.drafts), kept)
+        drafted = drafts_counted(chunk, kept)
+        if drafted or chunk.real_drafts < 0:
+            self.spec_stats.record(drafted, kept)
+        # a late-bound chunk whose lookup found nothing counts as one miss: a request whose text
+        # never repeats is cut off (DraftBudget) instead of verifying placeholders at every step
+        request.acceptance.record(drafted or int(chunk.real_drafts == 0), kept)
         if not (current and request.status == Status.RUNNING and chunk.admission == request.admissions):
             return
         ahead = request.unapplied[0] if request.unapplied else None
@@ -127,6 +136,14 @@ class SpeculativeScheduling:
         else:
             request.num_computed, request.num_unverified = chunk.start + 1 + kept, 0
         request.num_cacheable = min(request.num_cacheable, request.num_computed)
+
+
+def drafts_counted(chunk, kept: int) -> int:
+    """The drafts a verified chunk proposed, for acceptance counts: its real ones (a late-bound
+    chunk's placeholders left out, unless one was kept by chance)."""
+    if chunk.real_drafts < 0:
+        return len(chunk.drafts)
+    return min(len(chunk.drafts), max(chunk.real_drafts, kept))
 
 
 def settle(request: Request, chunk) -> bool:

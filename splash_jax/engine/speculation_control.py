@@ -39,12 +39,16 @@ class SpeculationControl:
         budget = self.draft_budget
         return budget is None or budget.level > 0 or any(keeps_k(r) for r in self.scheduler.running)
 
+    def _late_binding(self) -> bool:
+        """n-gram drafts behind a step in flight are bound late (--speculative-ngram-drafts late)."""
+        return (self.config.speculative_ngram_drafts == "late" and self.mtp is None
+                and isinstance(self.scheduler.drafter, NgramDrafter))
+
     def _binds_late_drafts(self, chunks) -> bool:
         """Whether a step dispatched behind another rewrites its guessed n-gram drafts from that
         step's tokens before its launch (engine/late_drafts.py): only a step with such drafts waits
         for the step in flight."""
-        return (self.config.speculative_ngram_drafts == "late" and self.mtp is None
-                and isinstance(self.scheduler.drafter, NgramDrafter) and any(map(depends_on_step_in_flight, chunks)))
+        return self._late_binding() and any(map(depends_on_step_in_flight, chunks))
 
     def _set_drafting(self) -> None:
         """Overlapped speculation pauses while a layout switch runs: its plans copy the pages of
@@ -53,6 +57,7 @@ class SpeculationControl:
         switching = self.switcher is not None and self.switcher.active is not None
         self.scheduler.speculate_ahead = ahead and not switching
         self.scheduler.drafting_paused = ahead and switching
+        self.scheduler.pad_drafts = ahead and self._late_binding()
 
     def _drafter(self):
         c = self.config
