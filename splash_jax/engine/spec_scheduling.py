@@ -85,14 +85,15 @@ class SpeculativeScheduling:
         for r, k in zip(decoding, limits):
             k = min(k, max(spare, 0))
             if r.awaits_verify:
-                out[id(r)] = propose_ahead(self.drafter, r, k, r.unapplied[-1].drafts, pad=self.pad_drafts)
+                pad = self.pad_drafts and self.drafter.worth_placeholders(r)
+                out[id(r)] = propose_ahead(self.drafter, r, k, r.unapplied[-1].drafts, pad=pad)
                 spare -= len(out[id(r)][0])
                 continue
             if not k:
                 continue
             if r.num_pending:  # behind its token still on the device
                 d = tuple(self.drafter.propose_after(r, k, ())[:k])
-                if self.pad_drafts:
+                if self.pad_drafts and self.drafter.worth_placeholders(r):
                     d = placeholders(d, k)
             else:
                 d = tuple(self.drafter.propose(r, k)[:k])
@@ -122,11 +123,9 @@ class SpeculativeScheduling:
         chunk behind it moves on by `kept`, as the device moved it."""
         request = chunk.request
         drafted = drafts_counted(chunk, kept)
-        if drafted or chunk.real_drafts < 0:
+        if drafted or chunk.real_drafts < 0:  # (a late-bound chunk whose lookup found none drafted nothing)
             self.spec_stats.record(drafted, kept)
-        # a late-bound chunk whose lookup found nothing counts as one miss: a request whose text
-        # never repeats is cut off (DraftBudget) instead of verifying placeholders at every step
-        request.acceptance.record(drafted or int(chunk.real_drafts == 0), kept)
+            request.acceptance.record(drafted, kept)
         if not (current and request.status == Status.RUNNING and chunk.admission == request.admissions):
             return
         ahead = request.unapplied[0] if request.unapplied else None

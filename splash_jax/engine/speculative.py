@@ -128,7 +128,20 @@ class NgramDrafter:
         """Drafts after the known tokens and `prefix`, tokens the host has read back but not yet
         applied to the request (late-bound drafts, engine/late_drafts.py): what propose() returns
         once they are applied."""
-        return self._of(request).lookup(k, tuple(prefix)) if k > 0 else []
+        if k <= 0:
+            return []
+        index = self._of(request)
+        found = index.lookup(k, tuple(prefix))
+        index.late_found = bool(found)
+        return found
+
+    def worth_placeholders(self, request: Request) -> bool:
+        """Whether a chunk of this request whose guessed lookup fell short gets placeholders for a
+        late lookup to fill: unless its last late lookup found nothing (text that does not repeat
+        would verify placeholders every step; its chunks follow the guessed lookup until a guess
+        finds drafts again)."""
+        index = self._index.get(request)
+        return index is None or index.late_found
 
 
 class NgramIndex:
@@ -150,6 +163,7 @@ class NgramIndex:
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> latest start j with j + n < len(seq)
         self.behind = False  # the request knows tokens past seq: lookups propose nothing until caught up
         self._memo: dict[tuple, list[int]] = {}  # (k, prefix) -> lookup's answer while seq is unchanged
+        self.late_found = True  # the last late-bound lookup found drafts (NgramDrafter.worth_placeholders)
 
     def extend(self, request: Request) -> None:
         known = request.num_known
