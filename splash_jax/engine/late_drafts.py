@@ -7,15 +7,17 @@ model the lag cost 28-57% of the drafts kept (docs/speculative.md). Reading the 
 scheduling the next one (--speculative-ngram-drafts sync) drafts from the real tokens but leaves
 the device idle for the host's whole schedule, pack and output work; on a 4-layer model a drafting
 step took 1.6-2.0 ms against 1.1 ms overlapped (one H100). Late binding keeps the schedule and the
-pack overlapped: the step is packed with the guessed drafts, then the host reads the step in flight
+pack overlapped: the step is packed with placeholder drafts, then the host reads the step in flight
 back, looks each dependent chunk's drafts up after the tokens it returned, and writes them over the
-guesses in the packed buffer. Only the lookups and the launch wait for the device.
+placeholders in the packed buffer. Only the lookups and the launch wait for the device.
 
-A chunk keeps its shape (the drafts verified, its rows and pages), so a request whose guessed
-lookup found fewer drafts than its cap is scheduled with placeholders up to it (Scheduler.pad_drafts):
-the late lookup, one token further on, often finds what the guessed one did not. Where it finds
-fewer, the guessed drafts or placeholders after them stay and only lower what the step may keep (a
-draft never changes an output); acceptance counts only the real ones (`ScheduledChunk.real_drafts`).
+A chunk keeps its shape (the drafts verified, its rows and pages), so it is scheduled with
+placeholders up to its cap (Scheduler.pad_drafts), not with guessed drafts: the only lookup per
+request and step is the late one, as for a synchronous step. Where that lookup finds fewer drafts,
+the placeholders after them stay and only lower what the step may keep (a draft never changes an
+output); acceptance counts only the real ones (`ScheduledChunk.real_drafts`). A request whose last
+late lookup found nothing goes back to guessed lookups (NgramDrafter.worth_placeholders), so text
+that does not repeat verifies no placeholders.
 Greedy outputs are those of decoding one token per step either way.
 """
 
@@ -35,7 +37,7 @@ def depends_on_step_in_flight(chunk) -> bool:
 
 
 def bind_late_drafts(shape: StepShape, chunks: Sequence, packed: PackedStep, tokens: np.ndarray, drafter) -> int:
-    """Replace guessed drafts with those after the tokens the step before returned (`tokens`: its
+    """Replace placeholder (or guessed) drafts with those after the tokens the step before returned (`tokens`: its
     token vector on the host, row 0 the tokens by logits row, row 1 each verify chunk's kept count)
     in `packed.rep` and on the chunks (drafts; an ahead chunk's variant for the count that step
     kept, which the host moves it to when that step is applied). -> the chunks rebound."""

@@ -167,7 +167,7 @@ class Scheduler(Admission, SpeculativeScheduling):
         self.speculate_ahead, self.ahead_drafts = False, 0
         self.drafting_paused = False  # no drafts this step (a layout switch runs under overlapped speculation)
         # drafts behind a token still on the device are bound late (engine/late_drafts.py): a request
-        # whose guessed lookup finds fewer than its cap gets placeholders for the late lookup to fill
+        # gets placeholders up to its cap for the late lookup to fill, not guessed drafts
         self.pad_drafts = False
         # The last step scheduled verifies drafts: with overlap, only its chunks can still be on
         # the device when the next is scheduled, so False means no request awaits a verify (the

@@ -25,7 +25,7 @@ import dataclasses
 
 from splash_jax.engine.draft_budget import DraftBudget, keeps_k
 from splash_jax.engine.request import Request, Status
-from splash_jax.engine.speculative import SpeculativeStats, can_speculate, max_drafts, placeholders, propose_ahead
+from splash_jax.engine.speculative import SpeculativeStats, can_speculate, max_drafts, propose_ahead
 
 
 class SpeculativeScheduling:
@@ -84,17 +84,19 @@ class SpeculativeScheduling:
         out = {}
         for r, k in zip(decoding, limits):
             k = min(k, max(spare, 0))
+            # behind a token still on the device, late-bound: k placeholders a lookup fills at launch
+            late = k and self.pad_drafts and r.num_pending and self.drafter.worth_placeholders(r)
             if r.awaits_verify:
-                pad = self.pad_drafts and self.drafter.worth_placeholders(r)
-                out[id(r)] = propose_ahead(self.drafter, r, k, r.unapplied[-1].drafts, pad=pad)
+                behind = r.unapplied[-1].drafts
+                out[id(r)] = ((0,) * k,) * (len(behind) + 1) if late else propose_ahead(self.drafter, r, k, behind)
                 spare -= len(out[id(r)][0])
                 continue
             if not k:
                 continue
-            if r.num_pending:  # behind its token still on the device
+            if late:
+                d = (0,) * k
+            elif r.num_pending:  # behind its token still on the device: after a guess of it
                 d = tuple(self.drafter.propose_after(r, k, ())[:k])
-                if self.pad_drafts and self.drafter.worth_placeholders(r):
-                    d = placeholders(d, k)
             else:
                 d = tuple(self.drafter.propose(r, k)[:k])
             if d:

@@ -46,21 +46,15 @@ def can_speculate(request: Request, ahead: bool = False) -> bool:
             and not request.wants_prompt_logprobs)
 
 
-def propose_ahead(drafter, request: Request, k: int, behind: tuple[int, ...], pad: bool = False) -> tuple[tuple[int, ...], ...]:
+def propose_ahead(drafter, request: Request, k: int, behind: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """Drafts of an ahead chunk (scheduler.ScheduledChunk.shift_k), one variant per count a of the
     drafts `behind` (its verify chunk still on the device) that step may keep: variant a follows
     the known tokens, behind[:a] and the token that step samples there (not known yet). Variants
     have one length (shorter ones padded with their last draft, or 0: a draft never changes an
-    output, only what a step yields); pad: k each (late-bound drafts fill them, engine/late_drafts.py)."""
+    output, only what a step yields)."""
     variants = [list(drafter.propose_after(request, k, tuple(behind[:a]))[:k]) if k else [] for a in range(len(behind) + 1)]
-    width = k if pad else max(map(len, variants))
-    return tuple(placeholders(v, width) for v in variants)
-
-
-def placeholders(drafts, k: int) -> tuple[int, ...]:
-    """drafts padded to k with their last (or token 0): rows a late-bound lookup may fill."""
-    drafts = tuple(drafts)
-    return drafts + (drafts[-1] if drafts else 0,) * (k - len(drafts))
+    width = max(map(len, variants))
+    return tuple(tuple(v + [v[-1] if v else 0] * (width - len(v))) for v in variants)
 
 
 def max_drafts(request: Request, k: int, max_model_len: int) -> int:
@@ -136,10 +130,10 @@ class NgramDrafter:
         return found
 
     def worth_placeholders(self, request: Request) -> bool:
-        """Whether a chunk of this request whose guessed lookup fell short gets placeholders for a
-        late lookup to fill: unless its last late lookup found nothing (text that does not repeat
-        would verify placeholders every step; its chunks follow the guessed lookup until a guess
-        finds drafts again)."""
+        """Whether a chunk of this request behind a token still on the device is scheduled with
+        placeholders for a late lookup to fill, without guessing: unless its last late lookup found
+        nothing (text that does not repeat would verify placeholders every step; its chunks follow
+        the guessed lookups until a guess finds drafts again)."""
         index = self._index.get(request)
         return index is None or index.late_found
 
