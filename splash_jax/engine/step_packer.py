@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -42,7 +44,7 @@ class Field:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +63,12 @@ class BufferSpec:
 
     def offset(self, name: str) -> int:
         """Where field `name` starts in the buffer (host-side patches of a packed step)."""
-        at = 0
-        for f in self.fields:
-            if f.name == name:
-                return at
-            at += f.size
-        raise KeyError(name)
+        return self._offsets[name]
+
+    @functools.cached_property
+    def _offsets(self) -> dict[str, int]:
+        starts = itertools.accumulate((f.size for f in self.fields), initial=0)
+        return {f.name: at for f, at in zip(self.fields, starts)}
 
     def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:
         """Inside a program: static slices of a 1-D int32 buffer, bit-cast back to each dtype."""
