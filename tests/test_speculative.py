@@ -103,10 +103,10 @@ def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
 
 @pytest.mark.parametrize("mode", ["late", "sync", "ahead"])
 def test_ngram_drafts_late_bound_read_first_or_guessed_keep_outputs(engine, mode):
-    """--speculative-ngram-drafts: late (default) packs a drafting step behind the step in flight
-    and rewrites its drafts from that step's tokens before the launch, so every step overlaps;
-    sync reads the step in flight back first, so the steps that draft do not; ahead drafts after
-    a guess of its token. Greedy outputs equal decoding one token per step in every mode."""
+    """--speculative-ngram-drafts: sync (default) reads the step in flight back first, so the steps
+    that draft do not overlap; late packs a drafting step behind the step in flight and fills its
+    drafts from that step's tokens before the launch, so every step overlaps; ahead drafts after a
+    guess of its token. Greedy outputs equal decoding one token per step in every mode."""
     params = [SamplingParams(max_tokens=m) for m in (40, 33, 27, 12)]
     want = _generate(engine, "off", params)
     engine.set_speculative("ngram")
@@ -123,7 +123,7 @@ def test_ngram_drafts_late_bound_read_first_or_guessed_keep_outputs(engine, mode
         got = engine.generate(PROMPTS, params)
     finally:
         del engine.step
-        engine.config.speculative_ngram_drafts = "late"
+        engine.config.speculative_ngram_drafts = EngineConfig.speculative_ngram_drafts
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     spec = engine.stats()["speculative"]
     assert spec["accepted_tokens"] > 0
@@ -162,7 +162,7 @@ def test_late_bound_drafts_are_packed_as_a_step_packed_with_them(engine, monkeyp
             spec = engine.stats()["speculative"]
             kept[mode] = spec["accepted_tokens"] / spec["verify_chunks"]
     finally:
-        engine.config.speculative_ngram_drafts = "late"
+        engine.config.speculative_ngram_drafts = EngineConfig.speculative_ngram_drafts
         engine.config.speculative_adaptive = True
         engine.set_speculative("ngram")
     assert sum(checked) > 0 and sum(changed) > 0  # drafts were rewritten, and the patch matched a fresh pack

@@ -13,6 +13,7 @@ import pytest
 
 from splash_jax.compile_guard import count_compiles
 from splash_jax.engine.request import accumulate
+from splash_jax.engine.step_packer import pack_step
 from splash_jax.structured import StructuredOutputs
 from splash_jax.engine import Engine, EngineConfig, SamplingParams
 from switch_workload import run_with_switches, settle_in as _settle_in
@@ -175,6 +176,49 @@ def test_speculative_decoding_keeps_outputs_in_every_layout_and_across_switches(
         assert hist[0] > 0 and hist[3] > 0 and sum(hist[1:3]) > 0, hist  # none, some and all accepted
         assert engine.overlapped and spec["ahead_chunks"] > 0, spec
     finally:
+        engine.set_speculative("off")
+
+
+def test_late_bound_ngram_drafts_keep_outputs_in_every_layout_and_across_switches(engine, fixed_outputs, monkeypatch):
+    """--speculative-ngram-drafts late (engine/late_drafts.py) with the n-gram drafter, K = 3 at
+    every step, in every layout (owner layouts place each chunk's slots and rows on its device) and
+    across live switches: greedy outputs equal the fixed layout's without speculation, every step
+    whose drafts were filled late holds the buffer packed afresh from its chunks (some in every
+    layout; this random model's drafts are rarely kept, tests/test_speculative.py has kept ones),
+    nothing compiles."""
+    from splash_jax.engine import device_steps, late_drafts
+
+    bound = []
+
+    def filled_and_checked(shape, chunks, packed, tokens, drafter):
+        n = late_drafts.bind_late_drafts(shape, chunks, packed, tokens, drafter)
+        fresh = pack_step(shape, chunks, engine.scheduler.tables, engine.slot_sampling, engine.config.page_size,
+                          span_min_tokens=engine.executor.expanded_min_tokens)
+        np.testing.assert_array_equal(packed.rep, fresh.rep)
+        bound.append((engine.layout.name, n))
+        return n
+
+    want = [fixed_outputs[i].token_ids for i in range(len(PROMPTS))]
+    _settle_in(engine, "tp")
+    engine.config.speculative_ngram_drafts, engine.config.speculative_adaptive = "late", False
+    engine.set_speculative("ngram", 3)
+    monkeypatch.setattr(device_steps, "bind_late_drafts", filled_and_checked)
+    try:
+        with count_compiles() as compiles:
+            for layout in LAYOUT_NAMES:
+                _settle_in(engine, layout)
+                done, _ = run(engine, switches=None)
+                assert [done[i].token_ids for i in range(len(PROMPTS))] == want, layout
+            _settle_in(engine, "tp")
+            done, handles = run(engine, TOUR[1:7], np.random.default_rng(12))
+        assert compiles.count == 0, compiles.events
+        assert sum(h.state == SwitchState.DONE for h in handles) >= 5
+        assert [done[i].token_ids for i in range(len(PROMPTS))] == want
+        assert {layout for layout, n in bound if n} == set(LAYOUT_NAMES), bound  # drafts filled late in each
+        assert engine.stats()["speculative"]["late_bound_chunks"] > 0
+    finally:
+        engine.config.speculative_ngram_drafts = EngineConfig.speculative_ngram_drafts
+        engine.config.speculative_adaptive = EngineConfig.speculative_adaptive
         engine.set_speculative("off")
 
 

@@ -133,12 +133,14 @@ class EngineConfig:
     speculative_ngram_min: int = 1  # ngram: shortest suffix n-gram matched
     speculative_ngram_max: int = 4  # ngram: longest suffix n-gram matched (tried first)
     # ngram: how a step that drafts follows the step in flight, whose tokens its drafts follow.
-    # late: scheduled and packed behind it with guessed drafts, which are rewritten from its tokens
-    # just before the launch (engine/late_drafts.py); sync: it reads that step back first and then
-    # schedules (the device idles meanwhile); ahead: drafts after a guess of its tokens (they lag a
-    # step: 28-57% of the drafts kept were lost on the bundled model). Level-0 steps overlap in every
-    # mode; a seeded sampled request (its tokens depend on its drafts) makes steps sync, except ahead.
-    speculative_ngram_drafts: str = "late"
+    # sync: it reads that step back first, then schedules (the device idles for the host's work);
+    # late: scheduled and packed behind it with placeholder drafts that a lookup after its tokens
+    # fills just before the launch (engine/late_drafts.py; only the lookups and the launch wait);
+    # ahead: drafts after a guess of its tokens (they lag a step: 28-57% of the drafts kept were lost
+    # on the bundled model). Level-0 steps overlap in every mode. On one H100 (bundled model, 4 layers,
+    # ~0.3 ms of GPU work per step) sync beat late at batch 8 in 2 of 3 comparisons: late's scheduling
+    # behind a step in flight costs the host more than that GPU time (docs/speculative.md).
+    speculative_ngram_drafts: str = "sync"
     max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
     max_logit_bias: int = 64  # logit_bias entries per request; fixes the sampler's bias columns
     seed: int = 0  # seeds the dummy weights and the draw of a seed for each request that gives none
