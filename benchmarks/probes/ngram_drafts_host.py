@@ -2,6 +2,7 @@
 
     python -m benchmarks.probes.ngram_drafts_host                            # bundled model, batch 8
     python -m benchmarks.probes.ngram_drafts_host --modes late,sync --batches 1,8 --workload repeat
+    python -m benchmarks.probes.ngram_drafts_host --idle-device --profile-steps 0   # host time on CPU
 
 The modes differ in what waits for what: `sync` reads the step in flight back before scheduling
 (host work and device work in series), `late` schedules and packs behind it and rewrites the
@@ -19,9 +20,13 @@ import logging
 import statistics
 
 from benchmarks.common import parse_engine_and_bench, table, write_results
+import time
+
+import jax
+
 from benchmarks.probes.mtp_level0 import busy, host_profile, run_once
 from benchmarks.speculative import prompts
-from splash_jax.engine import Engine
+from splash_jax.engine import Engine, SamplingParams
 
 log = logging.getLogger("benchmarks.probes.ngram_drafts_host")
 
@@ -36,6 +41,31 @@ class ProbeConfig:
     repeats: int = 3  # timed runs per (mode, batch); medians reported
     profile_steps: int = 20  # decode steps under the profiler (GPU busy); 0: none
     host_profile_steps: int = 0  # decode steps under cProfile (top host functions per mode); 0: none
+    # Also time each mode's host work with the device idle: before each step() the step in flight is
+    # waited for, so on XLA:CPU the step program does not share the cores with the host (its wall
+    # times then say nothing; the host phases do).
+    idle_device: bool = False
+
+
+def run_idle_device(engine: Engine, texts: list[str], max_tokens: int) -> tuple[float, int, dict]:
+    """run_once, but each step() starts with no step running on the device."""
+    engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i, t in enumerate(texts):
+        engine.add_request(t, params, request_id=f"i{i}")
+    phases: dict[str, float] = {}
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_work():
+        step = engine._inflight
+        if step is not None and step.result is not None:
+            jax.block_until_ready(step.result.tokens)
+        decoding = engine.scheduler.running and not engine.scheduler.waiting
+        engine.step()
+        if decoding:
+            steps += 1
+            for k, v in engine.last_step_ms.items():
+                phases[k] = phases.get(k, 0.0) + v
+    return time.perf_counter() - t0, steps, phases
 
 
 def main(argv=None):
@@ -48,11 +78,15 @@ def main(argv=None):
         texts = prompts(probe.workload, batch, 1200)
         run_once(engine, texts, 16)  # first runs of this batch's buckets
         results = {m: [] for m in modes}
+        idle = {m: [] for m in modes}
         for _ in range(probe.repeats):  # alternate, so drift hits every mode
             for m in modes:
                 engine.config.speculative_ngram_drafts = m
                 engine.set_speculative("ngram", probe.drafts)
                 results[m].append((*run_once(engine, texts, probe.max_tokens), engine.stats()["speculative"]))
+                if probe.idle_device:
+                    engine.set_speculative("ngram", probe.drafts)
+                    idle[m].append(run_idle_device(engine, texts, probe.max_tokens))
         for m in modes:
             engine.config.speculative_ngram_drafts = m
             engine.set_speculative("ngram", probe.drafts)
@@ -61,6 +95,8 @@ def main(argv=None):
             steps = statistics.median(r[1] for r in runs)
             phases = {k: statistics.median(r[2].get(k, 0.0) / max(r[1], 1) for r in runs) for k in runs[0][2]}
             spec = runs[-1][3]
+            idle_host = (statistics.median(sum(v for k, v in r[2].items() if k != "wait") / max(r[1], 1) for r in idle[m])
+                         if idle[m] else None)
             prof = busy(engine, texts, probe.profile_steps) if probe.profile_steps else None
             hosts = host_profile(engine, texts, probe.host_profile_steps) if probe.host_profile_steps else []
             for fn, us, calls in hosts:
@@ -70,13 +106,14 @@ def main(argv=None):
                 "decode_steps": steps, "ms_per_step": seconds / max(steps, 1) * 1e3,
                 "kept_per_verify": spec["mean_accepted_per_step"], "late_bound_chunks": spec["late_bound_chunks"],
                 "host_ms_per_step": sum(v for k, v in phases.items() if k != "wait"),
+                "idle_device_host_ms_per_step": idle_host,
                 "schedule_ms": phases.get("schedule"), "dispatch_ms": phases.get("dispatch"),
                 "complete_ms": phases.get("complete"), "wait_ms": phases.get("wait"), "read_first_ms": phases.get("read_first"),
                 "gpu_busy_ms": prof.busy_ms if prof else None, "gpu_window_ms": prof.window_ms if prof else None,
                 "host_profile": hosts,
             })
     print(table(rows, ["batch", "mode", "tok_per_s", "decode_steps", "ms_per_step", "kept_per_verify", "gpu_busy_ms",
-                       "gpu_window_ms", "host_ms_per_step", "schedule_ms", "dispatch_ms", "complete_ms", "wait_ms",
+                       "gpu_window_ms", "host_ms_per_step", "idle_device_host_ms_per_step", "schedule_ms", "dispatch_ms", "complete_ms", "wait_ms",
                        "read_first_ms"]))
     write_results("ngram_drafts_host", {"config": dataclasses.asdict(probe), "rows": rows})
 
