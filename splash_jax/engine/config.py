@@ -138,7 +138,7 @@ class EngineConfig:
     # fills just before the launch (engine/late_drafts.py; only the lookups and the launch wait);
     # ahead: drafts after a guess of its tokens (they lag a step: 28-57% of the drafts kept were lost
     # on the bundled model). Level-0 steps overlap in every mode. On one H100 (bundled model, 4 layers,
-    # ~0.3 ms of GPU work per step) sync beat late at batch 8 in 2 of 3 comparisons, late's host work
+    # ~0.3 ms of GPU work per step) sync beat late in most batch-8 cells of three runs, late's host work
     # including a since-fixed per-chunk cost (docs/speculative.md, "Late-bound n-gram drafts").
     speculative_ngram_drafts: str = "sync"
     max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
