@@ -164,21 +164,22 @@ def split_method(method: str) -> tuple[str, bool, str | None]:
     return drafter, name == method, mode or None
 
 
-NGRAM_DRAFTS: dict[int, str] = {}  # each engine's --speculative-ngram-drafts, for methods that name none
-
-
 def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: int) -> tuple[Run, dict]:
     """One timed run (after an unmeasured one when an adaptive draft budget has to learn) ->
     (the run, speculative stats)."""
     drafter, overlapped, mode = split_method(method)
     engine.set_overlap(overlapped)
-    engine.config.speculative_ngram_drafts = mode or NGRAM_DRAFTS.setdefault(id(engine), engine.config.speculative_ngram_drafts)
-    engine.set_speculative(drafter if k else "off", k or None)
-    if k and engine.config.speculative_adaptive:
-        engine.reset_prefix_cache()
-        run(engine, texts, max_tokens)  # trains the budget (its first steps try each level)
-    engine.reset_prefix_cache()  # every run prefills its prompts
-    timed = run(engine, texts, max_tokens, timed=f"{method} K={k}")
+    default_mode = engine.config.speculative_ngram_drafts  # (the engine's own, for methods that name none)
+    engine.config.speculative_ngram_drafts = mode or default_mode
+    try:
+        engine.set_speculative(drafter if k else "off", k or None)
+        if k and engine.config.speculative_adaptive:
+            engine.reset_prefix_cache()
+            run(engine, texts, max_tokens)  # trains the budget (its first steps try each level)
+        engine.reset_prefix_cache()  # every run prefills its prompts
+        timed = run(engine, texts, max_tokens, timed=f"{method} K={k}")
+    finally:
+        engine.config.speculative_ngram_drafts = default_mode
     return timed, engine.stats()["speculative"] or {}
 
 

@@ -20,13 +20,9 @@ import logging
 import statistics
 
 from benchmarks.common import parse_engine_and_bench, table, write_results
-import time
-
-import jax
-
 from benchmarks.probes.mtp_level0 import busy, host_profile, run_once
 from benchmarks.speculative import prompts
-from splash_jax.engine import Engine, SamplingParams
+from splash_jax.engine import Engine
 
 log = logging.getLogger("benchmarks.probes.ngram_drafts_host")
 
@@ -47,27 +43,6 @@ class ProbeConfig:
     idle_device: bool = False
 
 
-def run_idle_device(engine: Engine, texts: list[str], max_tokens: int) -> tuple[float, int, dict]:
-    """run_once, but each step() starts with no step running on the device."""
-    engine.reset_prefix_cache()
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i, t in enumerate(texts):
-        engine.add_request(t, params, request_id=f"i{i}")
-    phases: dict[str, float] = {}
-    steps, t0 = 0, time.perf_counter()
-    while engine.has_work():
-        step = engine._inflight
-        if step is not None and step.result is not None:
-            jax.block_until_ready(step.result.tokens)
-        decoding = engine.scheduler.running and not engine.scheduler.waiting
-        engine.step()
-        if decoding:
-            steps += 1
-            for k, v in engine.last_step_ms.items():
-                phases[k] = phases.get(k, 0.0) + v
-    return time.perf_counter() - t0, steps, phases
-
-
 def main(argv=None):
     probe, config = parse_engine_and_bench(__doc__, ProbeConfig, argv)
     engine = Engine(dataclasses.replace(config, speculative_method="ngram", speculative_tokens=probe.drafts,
@@ -86,7 +61,7 @@ def main(argv=None):
                 results[m].append((*run_once(engine, texts, probe.max_tokens), engine.stats()["speculative"]))
                 if probe.idle_device:
                     engine.set_speculative("ngram", probe.drafts)
-                    idle[m].append(run_idle_device(engine, texts, probe.max_tokens))
+                    idle[m].append(run_once(engine, texts, probe.max_tokens, idle_device=True))
         for m in modes:
             engine.config.speculative_ngram_drafts = m
             engine.set_speculative("ngram", probe.drafts)

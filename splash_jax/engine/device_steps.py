@@ -147,7 +147,7 @@ class DeviceSteps:
 
     def _bind_late(self, previous: InFlight, chunks, bucket, expanded: bool, packed) -> None:
         """Read the step in flight back and write the n-gram drafts that follow its tokens over the
-        guessed ones (engine/late_drafts.py). A failed read binds nothing: _complete meets it."""
+        placeholders (engine/late_drafts.py). A failed read binds nothing: _complete meets it."""
         try:
             tokens = self._read_tokens(previous)
         except Exception:  # noqa: BLE001 - the step failed on the device: _complete recovers

@@ -24,22 +24,25 @@ Greedy outputs are those of decoding one token per step either way.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from splash_jax.engine.step_packer import PackedStep, StepShape
+if TYPE_CHECKING:
+    from splash_jax.engine.step_packer import PackedStep, StepShape
 
 
 def depends_on_step_in_flight(chunk) -> bool:
-    """Whether the chunk's drafts were guessed behind a token still on the device: an ahead chunk
-    (its verify chunk in flight), or a verify chunk whose first token that step samples."""
+    """Whether the chunk's drafts were proposed behind a token still on the device (placeholders, or
+    after a guess of that token): an ahead chunk (its verify chunk in flight), or a verify chunk
+    whose first token that step samples."""
     return bool(chunk.drafts) and (chunk.shift_k > 0 or chunk.start >= chunk.request.num_known)
 
 
 def bind_late_drafts(shape: StepShape, chunks: Sequence, packed: PackedStep, tokens: np.ndarray, drafter) -> int:
-    """Replace placeholder (or guessed) drafts with those after the tokens the step before returned (`tokens`: its
-    token vector on the host, row 0 the tokens by logits row, row 1 each verify chunk's kept count)
-    in `packed.rep` and on the chunks (drafts; an ahead chunk's variant for the count that step
+    """Replace placeholder (or guessed) drafts with those after the tokens the step before returned
+    (`tokens`: its token vector on the host, row 0 the tokens by logits row, row 1 each verify
+    chunk's kept count) in `packed.rep` and on the chunks (drafts; an ahead chunk's variant for the count that step
     kept, which the host moves it to when that step is applied). -> the chunks rebound."""
     spec = shape.replicated_spec()
     rep, rows = packed.rep, shape.rows

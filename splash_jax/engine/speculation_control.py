@@ -28,16 +28,17 @@ class SpeculationControl:
         its tokens (--speculative-ngram-drafts sync): n-gram drafts while the draft budget's level,
         chosen at the last step, is above 0 (always without a budget). Also in `late` mode while a
         request that keeps its K runs (a seeded sampled one, which drafts at every level): its
-        drafts, and so its tokens, must not depend on the guess a late-bound chunk is sized by; and
-        on an MTP engine, whose steps also carry next tokens late binding does not rewrite. A
-        level-0 step drafts nothing and overlaps as with speculation off."""
+        drafts, and so its tokens, must not depend on whether a lookup ran before or after the
+        step in flight; and on an MTP engine, whose steps also carry next tokens late binding does
+        not rewrite. A level-0 step drafts nothing and overlaps as with speculation off."""
         mode = self.config.speculative_ngram_drafts
         if mode == "ahead" or not (self.config.overlap_scheduling and isinstance(self.scheduler.drafter, NgramDrafter)):
             return False
-        if mode == "late" and self.mtp is None and not any(keeps_k(r) for r in self.scheduler.running):
+        keeping = any(keeps_k(r) for r in self.scheduler.running)
+        if self._late_binding() and not keeping:
             return False
         budget = self.draft_budget
-        return budget is None or budget.level > 0 or any(keeps_k(r) for r in self.scheduler.running)
+        return budget is None or budget.level > 0 or keeping
 
     def _late_binding(self) -> bool:
         """n-gram drafts behind a step in flight are bound late (--speculative-ngram-drafts late)."""
@@ -45,8 +46,8 @@ class SpeculationControl:
                 and isinstance(self.scheduler.drafter, NgramDrafter))
 
     def _binds_late_drafts(self, chunks) -> bool:
-        """Whether a step dispatched behind another rewrites its guessed n-gram drafts from that
-        step's tokens before its launch (engine/late_drafts.py): only a step with such drafts waits
+        """Whether a step dispatched behind another fills its n-gram drafts from that step's tokens
+        before its launch (engine/late_drafts.py): only a step with such drafts waits
         for the step in flight."""
         return self._late_binding() and any(map(depends_on_step_in_flight, chunks))
 

@@ -289,7 +289,7 @@ class SpeculativeStats:
     accepted_tokens: int = 0
     histogram: list[int] = dataclasses.field(default_factory=list)  # [a]: verify chunks that accepted a drafts
     ahead_chunks: int = 0  # chunks scheduled behind a verify chunk still on the device (overlapped speculation)
-    late_bound: int = 0  # chunks whose guessed n-gram drafts were rewritten before launch (engine/late_drafts.py)
+    late_bound: int = 0  # chunks whose n-gram drafts were filled just before launch (engine/late_drafts.py)
 
     def __post_init__(self):
         self.histogram = self.histogram or [0] * (self.k + 1)
