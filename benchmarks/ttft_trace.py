@@ -23,7 +23,7 @@ It is replayed by the wall clock as benchmarks/dynamic.py replays it (`serve`: a
 at the first step boundary after its arrival; TTFT counts from the arrival), once per policy,
 every run starting with an empty prefix cache, greedy with ignore_eos to each row's output length.
 
---policies: comma-separated NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] (engine/prefill_order.py; an empty
+--policies: comma-separated NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH[:STEPMS]]]]]]] (engine/prefill_order.py; an empty
 field takes its default): NAME fcfs or srpf,
 CAP the prefill tokens a step may take while requests decode (0: no cap; default 0), WAIT srpf's age
 bound in trace seconds (default --max-prefill-wait-s), multiplied by --time-scale as arrival
@@ -32,7 +32,8 @@ long: the earlier rule, long prefill steps only, the lead from the whole dispatc
 steps only, the lead from the launch), GAP the step
 buckets' --token-bucket-gap (default the engine's; 0: powers of two), AGING srpf's
 --prefill-aging-tokens-per-s (per trace second), FINISH on or off:
---prefill-finish-early. The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must
+--prefill-finish-early, STEPMS --max-step-ms-with-decodes (engine/step_time_cap.py; default 0, off).
+The engine compiles the ladder of --token-bucket-gap, so a policy's GAP must
 give a subset of it (0 under a power-of-two gap does): both ladders are served by one engine, in one run.
 The default compares fcfs without late dispatch (the engine's order before 2026-12-06) with the GPU
 default since (srpf, aging 7400 tokens/s, finish early, late dispatch of prefill steps) and with the
@@ -59,7 +60,7 @@ from benchmarks.common import build_engine as common_build_engine
 from benchmarks.common import parse_engine_and_bench, percentiles, table, write_results
 from benchmarks.dynamic import serve, summarize
 from splash_jax.engine import Engine, EngineConfig
-from splash_jax.engine.dispatch_timing import DispatchTiming, DispatchTimingConfig
+from splash_jax.engine.dispatch_timing import DispatchTimingConfig
 from splash_jax.engine.dispatch_timing import resolved as late_dispatch_rules
 from splash_jax.engine.prefill_order import PrefillOrder, ladder_sizes
 from splash_jax.engine.step_timeline import StepTimeline
@@ -80,7 +81,7 @@ class TraceBenchConfig:
     tokens_per_block: int = 0  # replay each block as this many tokens, output lengths scaled alike (0 = unscaled)
     num_requests: int = 0  # replay the first N rows (0 = all)
     time_scale: float = 1.0  # multiplies arrival times (and srpf's age bound)
-    policies: str = "fcfs:0:1:off,srpf:0:100:prefill::7400:on,srpf:0:100:on::7400:on"  # NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]], comma-separated (see above)
+    policies: str = "fcfs:0:1:off,srpf:0:100:prefill::7400:on,srpf:0:100:on::7400:on"  # NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH[:STEPMS]]]]]]], comma-separated (see above)
     unloaded_repeats: int = 3  # runs of each unloaded prompt (the median is kept)
     bench_seed: int = 0  # seeds block tokens
     max_run_s: float = 1800.0  # a run still going after this is stopped and marked incomplete
@@ -92,6 +93,7 @@ class Policy:
     order: PrefillOrder
     late: str | None  # on | off | long (LATE_RULES); None: --late-dispatch
     gap: int | None  # None: --token-bucket-gap
+    step_ms: float = 0.0  # --max-step-ms-with-decodes (engine/step_time_cap.py; 0: off)
 
 
 # LATE: late dispatch's rules (engine/dispatch_timing.py); long: those of 2026-12-06 (long prefill
@@ -108,9 +110,9 @@ def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
     out = []
     for item in spec.split(","):
         parts = item.strip().split(":")
-        if (not 1 <= len(parts) <= 7 or not parts[0] or len(parts) >= 4 and parts[3] not in (*LATE_RULES, "")
+        if (not 1 <= len(parts) <= 8 or not parts[0] or len(parts) >= 4 and parts[3] not in (*LATE_RULES, "")
                 or len(parts) >= 7 and parts[6] not in ("on", "off", "")):
-            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH]]]]]] items (LATE on, off, "
+            raise SystemExit(f"--policies takes NAME[:CAP[:WAIT[:LATE[:GAP[:AGING[:FINISH[:STEPMS]]]]]]] items (LATE on, off, "
                              f"long or prefill, FINISH on or off; a field left empty takes its default), got {item!r}")
         field = lambda i: parts[i] if len(parts) > i and parts[i] else None  # noqa: E731
         cap = int(field(1) or 0)
@@ -120,7 +122,7 @@ def parse_policies(spec: str, config, time_scale: float) -> list[Policy]:
         aging = float(field(5) or config.prefill_aging_tokens_per_s or 0.0)  # (auto: none, as before it existed)
         finish = (config.prefill_finish_early == "on") if field(6) is None else field(6) == "on"
         out.append(Policy(item.strip(), PrefillOrder(parts[0], wait * time_scale, cap, (), aging / time_scale, finish),
-                          late, gap))
+                          late, gap, float(field(7) or 0.0)))
     return out
 
 
@@ -133,7 +135,7 @@ def build_engine(config: EngineConfig, c: TraceBenchConfig) -> Engine:
     return common_build_engine(config, c.shape, c.num_layers)
 
 
-def use(engine: Engine, order: PrefillOrder, gap: int) -> None:
+def use(engine: Engine, order: PrefillOrder, gap: int, step_ms: float = 0.0) -> None:
     """Serve with `order` and the ladder of `gap` from now on (the engine is idle), the cap snapped
     to that ladder's buckets."""
     try:
@@ -145,6 +147,7 @@ def use(engine: Engine, order: PrefillOrder, gap: int) -> None:
     engine.config.max_prefill_tokens_with_decodes = order.max_prefill_tokens_with_decodes
     engine.config.prefill_aging_tokens_per_s = order.aging_tokens_per_s
     engine.config.prefill_finish_early = "on" if order.finish_early else "off"
+    engine.set_max_step_ms_with_decodes(step_ms)
 
 
 def unloaded_ttft(engine: Engine, a: W.Arrival, c: TraceBenchConfig, gap: int) -> dict:
@@ -172,16 +175,17 @@ def by_quartile(records) -> list[dict]:
 
 
 def run(engine: Engine, arrivals: list[W.Arrival], name: str, order: PrefillOrder, late: str, gap: int,
-        c: TraceBenchConfig) -> dict:
-    use(engine, order, gap)
+        c: TraceBenchConfig, step_ms: float = 0.0) -> dict:
+    use(engine, order, gap, step_ms)
     engine.timeline = StepTimeline()  # this run's step intervals only
-    engine.dispatch_timing = DispatchTiming(late != "off", LATE_RULES[late])  # and its own step timings
+    engine.dispatch_timing = engine.new_dispatch_timing(late != "off", LATE_RULES[late])  # and its own step timings
     t0 = time.perf_counter()
     s = serve(engine, arrivals, c.bench_seed, "on", c.max_run_s, name)
     out = summarize(s.records, s.samples, s.preemptions, [])
     out |= {"policy": order.policy, "max_wait_s": order.max_wait_s, "cap": order.max_prefill_tokens_with_decodes,
             "aging_tokens_per_s": order.aging_tokens_per_s, "finish_early": order.finish_early,
-            "token_bucket_gap": gap,
+            "token_bucket_gap": gap, "max_step_ms_with_decodes": step_ms,
+            "steps_cut_to_step_ms": engine.scheduler.step_time_cap.capped_steps if engine.scheduler.step_time_cap else 0,
             "complete": s.complete, "prefix_cache": s.prefix_cache, "host_ms": s.host_ms,
             "wrong_lengths": sum(r.tokens != r.output_len for r in s.records if r.finished is not None),
             "step_intervals": engine.timeline.summary(), "ttft_by_length_quartile": by_quartile(s.records),
@@ -253,10 +257,11 @@ def main(argv=None):
                  u["median"]["prompt_len"], u["median"]["ttft_s"], u["longest"]["prompt_len"], u["longest"]["ttft_s"])
     results = {}
     # --late-dispatch, for policies without LATE
-    default_late = "off" if not engine.dispatch_timing.enabled else "on" if engine.dispatch_timing.config.short_steps else "prefill"
+    default_late = "off" if not engine.dispatch_timing.holds else "on" if engine.dispatch_timing.config.short_steps else "prefill"
     for p in policies:
         gap = compiled_gap(engine) if p.gap is None else p.gap
-        results[p.name] = r = run(engine, arrivals, p.name, p.order, default_late if p.late is None else p.late, gap, c)
+        results[p.name] = r = run(engine, arrivals, p.name, p.order, default_late if p.late is None else p.late, gap, c,
+                                  p.step_ms)
         log.info("%s: TTFT p50 %.4g p99 %.4g s, TPOT p50 %.4g p99 %.4g s, %.4g tok/s, %d/%d done (%.1fs)", p.name,
                  r["ttft_s"]["p50"] or 0, r["ttft_s"]["p99"] or 0, r["tpot_s"]["p50"] or 0, r["tpot_s"]["p99"] or 0,
                  r["tokens_per_s"], r["completed"], r["requests"], r["run_s"])

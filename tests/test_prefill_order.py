@@ -139,12 +139,14 @@ def fake_token(r):
     return (sum(r.token_slice(max(0, r.num_known - 3), r.num_known)) * 31 + r.num_known) % 48 + 2
 
 
-def drive(order, arrivals, budget=16, finishing=None):
+def drive(order, arrivals, budget=16, finishing=None, step_time_cap=None, chunks_out=None):
     """A scheduler on a fake step (tokens depend only on the sequence); arrivals: step -> requests.
     Returns (outputs by id, first-token step by id, [(prefill tokens, decode rows) per step]);
-    `finishing` (a list) gets per step whether some prompt finished its prefill in it."""
+    `finishing` (a list) gets per step whether some prompt finished its prefill in it;
+    `chunks_out` (a list) gets per step its prompt chunks as (start, tokens)."""
     sched = Scheduler(PageAllocator(1, 400, 4), max_num_seqs=8, max_num_batched_tokens=budget, placement=REPLICATED,
                       max_model_len=256, pages_per_request=64, prefill_order=order)
+    sched.step_time_cap = step_time_cap
     first, steps, reqs, t = {}, [], {}, 0
     while t < 1000 and (sched.has_work() or any(k >= t for k in arrivals)):
         for rid, n, out in arrivals.get(t, []):
@@ -154,6 +156,8 @@ def drive(order, arrivals, budget=16, finishing=None):
         # a decode: a request with one token left (a sampled one, or the last of its prompt)
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt_ids) - 1]
         steps.append((sum(c.num_tokens for c in chunks) - len(decodes), len(decodes)))
+        if chunks_out is not None:
+            chunks_out.append([(c.start, c.num_tokens) for c in chunks if c not in decodes])
         sched.dispatched(chunks)
         sampling = [c for c in chunks if c.samples]
         if finishing is not None:
@@ -218,6 +222,7 @@ def test_the_cap_fills_a_compiled_bucket_instead_of_spilling_into_the_next():
 @pytest.mark.slow  # the same outputs at the scheduler: test_srpf_keeps_every_page_consistent_under_random_interleavings
 def test_engine_srpf_with_a_cap_gives_fcfs_outputs_and_compiles_nothing():
     from splash_jax.compile_guard import count_compiles
+    from splash_jax.engine.step_time_cap import StepCost
     from splash_jax.engine import Engine, EngineConfig
     from splash_jax.engine.request import accumulate
     from splash_jax.model import RuntimeOptions
@@ -249,8 +254,14 @@ def test_engine_srpf_with_a_cap_gives_fcfs_outputs_and_compiles_nothing():
         srpf, first_srpf = run()
         engine.scheduler.prefill_order = PrefillOrder()  # fcfs, no cap: the order before this module
         fcfs, first_fcfs = run()
+        engine.set_max_step_ms_with_decodes(1.0)  # and a step-time bound (engine/step_time_cap.py) on a made-up
+        bound = engine.scheduler.step_time_cap  # device: 0.1 ms per token or decode, 1 us per query-key pair
+        bound.cost, bound.min_tokens = (lambda: StepCost(0.0, 1e-4, 1e-6, 1e-4)), 1
+        timed, _ = run()
+        engine.set_max_step_ms_with_decodes(0.0)
     assert compiles.count == 0, compiles.events
-    assert srpf == fcfs and all(len(v) == 10 for v in srpf.values())
+    assert srpf == fcfs == timed and all(len(v) == 10 for v in srpf.values())
+    assert bound.capped_steps > 0 and engine.scheduler.step_time_cap is None
     assert first_srpf[1] < first_fcfs[1] and first_srpf[0] > first_fcfs[0]  # the short ones passed the long one
 
 

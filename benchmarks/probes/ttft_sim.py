@@ -43,6 +43,7 @@ from splash_jax.engine.prefill_order import PrefillOrder
 from splash_jax.engine.request import Request, SamplingParams
 from splash_jax.engine.scheduler import Scheduler
 from splash_jax.engine.step_programs import bucket_ladder
+from splash_jax.engine.step_time_cap import StepCost, StepTimeCap
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
 from splash_jax.mesh.layouts import get_layout
 
@@ -59,6 +60,12 @@ class StepModel:
     host_s: float = 3.0e-3  # schedule + dispatch
     lead_s: float = 14.0e-3  # late dispatch: the next step is scheduled this long before the step in flight ends
 
+    def step_cost(self, mean_context: float = 8000.0) -> StepCost:
+        """This model as the engine's step-time bound reads its fit (engine/step_time_cap.py): the
+        line through the largest small step at `per_token`, a decode token at `mean_context`."""
+        tokens, seconds = self.small[-1]
+        return StepCost(seconds - tokens * self.per_token, self.per_token, self.pair, self.per_token + self.kv * mean_context)
+
     def seconds(self, bucket: int, decode_context: float, pairs: float) -> float:
         xs, ys = zip(*self.small)
         w = float(np.interp(bucket, xs, ys)) if bucket <= xs[-1] else ys[-1] + (bucket - xs[-1]) * self.per_token
@@ -70,12 +77,14 @@ class Sim:
     policy: str
     order: PrefillOrder
     late: str  # on | off | long (benchmarks/ttft_trace.py's LATE_RULES)
+    step_ms: float = 0.0  # --max-step-ms-with-decodes, its step times from the model (StepModel.step_cost)
 
 
 def parse(spec: str, budget: int, gap: int, config: EngineConfig) -> list[Sim]:
     """benchmarks/ttft_trace.py's --policies items (GAP is the probe's --gap; LATE defaults to off)."""
     ladder = tuple(b.tokens for b in bucket_ladder(budget, 1, 8, gap))
-    return [Sim(p.name, dataclasses.replace(p.order, buckets=ladder), p.late or "off") for p in parse_policies(spec, config, 1.0)]
+    return [Sim(p.name, dataclasses.replace(p.order, buckets=ladder), p.late or "off", p.step_ms)
+            for p in parse_policies(spec, config, 1.0)]
 
 
 def replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.Namespace) -> dict:
@@ -90,6 +99,8 @@ def _replay(arrivals: list[W.Arrival], sim: Sim, model: StepModel, a: argparse.N
     s = Scheduler(alloc, a.max_num_seqs, a.budget, get_layout("tp").kv_placement, a.max_model_len,
                   pages_for_tokens(a.max_model_len, a.page_size), set(), True, enable_prefix_caching=True,
                   prefill_order=sim.order)
+    if sim.step_ms:
+        s.step_time_cap = StepTimeCap(sim.step_ms / 1e3, model.step_cost)
     n = len(arrivals)
     first, done, arrive = [None] * n, [None] * n, [a_.t for a_ in arrivals]
     begun = [None] * n  # when the first step holding part of its prompt started on the device

@@ -91,8 +91,8 @@ class Admission:
             return None
         computed, shared = cached_start(hit, request.num_tokens, size, self.share_last_cached_page)
         remaining = request.num_tokens - computed
-        n = cap_to_rows(request, computed, min(remaining, budget), rows)
-        if not self.enable_chunked_prefill and n < remaining:
+        n = self._chunk_tokens(request, computed, min(remaining, budget), rows)
+        if n <= 0 or not self.enable_chunked_prefill and n < remaining:
             return None
         request.slot = self._free_slots.pop()
         request.device_pages = cache.take(request, chain, shared, self.placement) if shared else [[] for _ in range(self.n)]
@@ -127,7 +127,7 @@ class Admission:
         if whole and leader_chunk(self.step_chunks, leader, n - 1) is None:
             return 0  # the leader computed it in an earlier step: the cache holds it by the next
         computed = n - 1 if whole else shared * size
-        count = 1 if whole else cap_to_rows(request, computed, min(n - computed, budget), rows)
+        count = 1 if whole else self._chunk_tokens(request, computed, min(n - computed, budget), rows)
         if count <= 0 or not self.enable_chunked_prefill and count < n - computed:
             return None
         request.owner, request.slot = leader.owner, self._free_slots.pop()

@@ -81,6 +81,11 @@ class EngineConfig:
     # prefill tokens plus the decodes' (no padding to the next bucket), so decodes never wait behind a full
     # --max-num-batched-tokens prefill chunk (0 = no cap); steps without decodes use the whole budget.
     max_prefill_tokens_with_decodes: int = 0
+    # While any request decodes, a step's prompt chunks are cut so its predicted device time stays within
+    # this many ms (deeper chunks get fewer tokens: they attend to more), bounding the time each decode
+    # waits for the step it rides in; predicted from the engine's own timed steps, applied once 16 long
+    # steps are timed (engine/step_time_cap.py). Trades TTFT for TPOT's tail (docs/performance.md). 0 = off.
+    max_step_ms_with_decodes: float = 0.0
     # Automatic prefix caching: full pages stay cached under the exact tokens of the prefix they end
     # and a new request reuses its longest cached prefix (every layout; kept across switches).
     enable_prefix_caching: bool = True
@@ -325,6 +330,8 @@ class EngineConfig:
         from splash_jax.engine.dispatch_timing import resolved
 
         resolved(self.late_dispatch, "cpu")  # raises on an unknown mode
+        if not self.max_step_ms_with_decodes >= 0:
+            raise ValueError(f"--max-step-ms-with-decodes must be >= 0, got {self.max_step_ms_with_decodes}")
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod

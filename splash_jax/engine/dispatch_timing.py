@@ -75,6 +75,7 @@ import time
 import numpy as np
 
 from splash_jax.calibration import attended_keys
+from splash_jax.engine.step_time_cap import StepCost
 
 MODES = ("auto", "on", "off", "prefill")
 LONG, SHORT = "long", "short"  # step kinds, each timed and fitted on its own
@@ -169,8 +170,9 @@ class _Timed:
 class DispatchTiming:
     """Device times of recent steps and the delay before the next dispatch (module docstring)."""
 
-    def __init__(self, enabled: bool, config: DispatchTimingConfig | None = None, clock=None):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, config: DispatchTimingConfig | None = None, clock=None, holds: bool | None = None):
+        self.enabled = enabled  # steps are timed and fitted
+        self.holds = enabled if holds is None else holds and enabled  # delay_s holds steps (False: timing only, step_cost)
         self.config = config or DispatchTimingConfig()
         self.clock = clock or time.perf_counter
         # long: (1, prefill tokens, query-key pairs / 1e6, decode tokens); short: (1, decode tokens,
@@ -294,7 +296,7 @@ class DispatchTiming:
     def delay_s(self, step) -> float:
         """Seconds the driving loop may still wait for requests before scheduling the next step
         (0: schedule now)."""
-        if not self.enabled or step is None or step.dispatch_end is None:
+        if not self.holds or step is None or step.dispatch_end is None:
             return 0.0
         if not self.config.short_steps and self._kind(step) == SHORT:
             return 0.0
@@ -308,12 +310,21 @@ class DispatchTiming:
             self._wait_from = now
         return delay
 
+    def step_cost(self) -> StepCost | None:
+        """The long steps' fit as a StepCost (its mean, not less a deviation as the holds use: a
+        bound on step time wants the expected time), None before it exists."""
+        fit = self._kinds[LONG].fit
+        if fit is None:
+            return None
+        const, per_token, per_mpair, per_decode = fit[0]
+        return StepCost(const, per_token, per_mpair / 1e6, per_decode)
+
     def summary(self) -> dict:
         long = self._kinds[LONG]
         rates = [d / f[1] for f, d in long.samples]
         fit = None if long.fit is None else {  # ms: per step, per 1K prefill tokens, per 1M pairs, per decode token
             "ms": [round(float(c) * 1e3, 4) for c in long.fit[0]], "residual_sd_ms": round(long.fit[1] * 1e3, 3)}
-        return {"enabled": self.enabled, "decode_steps_held": self.config.short_steps, "waits": self.waits, "waited_s": round(self.waited_s, 3),
+        return {"enabled": self.enabled, "holds": self.holds, "decode_steps_held": self.config.short_steps, "waits": self.waits, "waited_s": round(self.waited_s, 3),
                 "min_ms_per_1k_prefill_tokens": round(min(rates) * 1e6, 3) if rates else None, "fit": fit,
                 "host_lead_ms": round(self.lead_s() * 1e3, 2), "backoff_ms": round(self.backoff_s * 1e3, 2),
                 "idle_launches": self.idle_launches, "idle_after_wait": self.idle_after_wait,

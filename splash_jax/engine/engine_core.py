@@ -42,6 +42,7 @@ from splash_jax.engine.speculative import MtpDrafter
 from splash_jax.engine.step_packer import SlotSampling
 from splash_jax.engine.step_timeline import StepTimeline
 from splash_jax.engine.dispatch_timing import DispatchTiming
+from splash_jax.engine.step_time_cap import StepTimeCap
 from splash_jax.engine.dispatch_timing import resolved as resolve_late_dispatch
 from splash_jax.engine.warmup import run_every_program_once
 from splash_jax.kv.allocator import PageAllocator, pages_for_tokens
@@ -217,7 +218,8 @@ class EngineCore(DeviceSteps, SpeculationControl):
         self._inflight: InFlight | None = None
         self._drafts_in_sync = False  # this step drafts n-grams from the tokens of the one before it
         self.timeline = StepTimeline()  # step intervals by kind, for stats()["step_intervals"]
-        self.dispatch_timing = DispatchTiming(*resolve_late_dispatch(config.late_dispatch, backend))
+        self.dispatch_timing = self.new_dispatch_timing(*resolve_late_dispatch(config.late_dispatch, backend))
+        self.set_max_step_ms_with_decodes(config.max_step_ms_with_decodes)
         self._completed_last_call = False
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
         self._failed: list[CoreOutput] = []
@@ -391,6 +393,19 @@ class EngineCore(DeviceSteps, SpeculationControl):
         if self.switcher is not None and self.switcher.active is not None:
             return False
         return any(c.samples and not c.request.output_ids for c in step.chunks)  # (its token still on the device)
+
+    def set_max_step_ms_with_decodes(self, ms: float) -> None:
+        """--max-step-ms-with-decodes from the next step on (0: off); step times come from the
+        dispatch timing's fit (whichever `dispatch_timing` is current), so it times steps from now."""
+        cap = StepTimeCap(ms / 1e3, lambda: self.dispatch_timing.step_cost()) if ms else None
+        self.config.max_step_ms_with_decodes = ms
+        self.scheduler.step_time_cap = cap
+        self.dispatch_timing.enabled = self.dispatch_timing.holds or bool(ms)
+
+    def new_dispatch_timing(self, late: bool, rules=None) -> DispatchTiming:
+        """Step timing for late dispatch (steps held when `late`, under `rules`), also on without it
+        while --max-step-ms-with-decodes needs its fit of step times."""
+        return DispatchTiming(late or bool(self.config.max_step_ms_with_decodes), rules, holds=late)
 
     def dispatch_delay_s(self) -> float:
         """How long the loop driving step() may still wait for new requests before calling it:

@@ -48,6 +48,9 @@ def engine_stats(engine) -> dict:
         "program_memory": engine.executor.memory_summary(),  # XLA temporaries per step program, the largest
         "step_intervals": engine.timeline.summary(),  # cadence by step kind (engine/step_timeline.py)
         "late_dispatch": engine.dispatch_timing.summary(),  # waits for arrivals behind long steps (engine/dispatch_timing.py)
+        # --max-step-ms-with-decodes (engine/step_time_cap.py): steps whose prefill it cut
+        "step_time_cap": {"max_step_ms": engine.config.max_step_ms_with_decodes,
+                          "capped_steps": cap.capped_steps if (cap := engine.scheduler.step_time_cap) else 0},
         "structured_outputs": engine.masks.summary(),
         # drafts proposed and accepted (engine/speculative.py); None with speculation off
         "speculative": (dict(engine.scheduler.spec_stats.summary(engine.config.speculative_method),

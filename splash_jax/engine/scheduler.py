@@ -47,6 +47,7 @@ import time
 
 from splash_jax.engine.admission import Admission, cap_to_rows
 from splash_jax.engine.prefill_order import PrefillOrder
+from splash_jax.engine.step_time_cap import StepTimeCap
 from splash_jax.engine.request import Request, Status
 from splash_jax.engine.spec_scheduling import SpeculativeScheduling, settle
 from splash_jax.engine.speculative import accepted
@@ -194,6 +195,9 @@ class Scheduler(Admission, SpeculativeScheduling):
         # there that depends on the request's next token): that page is copied on write.
         self.share_last_cached_page = True
         self.step_chunks: list[ScheduledChunk] = []  # the chunks of the step being scheduled
+        # --max-step-ms-with-decodes (engine/step_time_cap.py; the engine sets it): prompt chunks beside
+        # decodes cut to a predicted step time
+        self.step_time_cap: StepTimeCap | None = None
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn the prefix cache on or off (off forgets every cached page)."""
@@ -248,6 +252,8 @@ class Scheduler(Admission, SpeculativeScheduling):
         decode_tokens = len(decoding) + sum(
             len(d[0]) if r.awaits_verify else len(d) for r in decoding if (d := drafts.get(id(r))))
         budget = order.prefill_budget(budget, decode_tokens)
+        if self.step_time_cap is not None:
+            budget = self.step_time_cap.begin(budget, decode_tokens, order.buckets)
         plan = order.plan(prefilling, self.waiting, time.monotonic())
         budget = order.finishing_budget(budget, decode_tokens, plan, self.waiting)
         deferred, admitting = [], True  # deferred: waiting for a block another request computes (kept in order)
@@ -282,8 +288,8 @@ class Scheduler(Admission, SpeculativeScheduling):
                 budget -= n
                 rows -= n
                 continue
-            n = cap_to_rows(request, request.num_computed, min(request.num_tokens - request.num_computed, budget), rows)
-            if not self.enable_chunked_prefill and n < request.num_tokens - request.num_computed:
+            n = self._chunk_tokens(request, request.num_computed, min(request.num_tokens - request.num_computed, budget), rows)
+            if n <= 0 or not self.enable_chunked_prefill and n < request.num_tokens - request.num_computed:
                 continue
             if not self._ensure_pages(request, request.num_computed + n, scheduled, preempted):
                 continue  # it preempted itself
@@ -335,6 +341,12 @@ class Scheduler(Admission, SpeculativeScheduling):
                 upto = min(r.num_cacheable, r.num_known) // self.page_size
                 if upto > len(r.cache_nodes):
                     cache.insert(r, self.placement, upto)
+
+    def _chunk_tokens(self, request: Request, start: int, n: int, rows: int) -> int:
+        """The tokens a prompt chunk of up to `n` from `start` computes this step: within the logits
+        rows left and the step-time bound (0: none this step)."""
+        n = cap_to_rows(request, start, n, rows)
+        return self.step_time_cap.take(start, n) if self.step_time_cap is not None else n
 
     def _take(self, request: Request, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed
