@@ -16,6 +16,9 @@ ladder (`bucket_ladder`), the trace (benchmarks/ttft_trace.py's). What is modell
                    step runs joins the step after the next; with late dispatch, shortly (`lead`)
                    before the step in flight ends (an oracle: the real prediction errs short);
   the first token: at the end of the step that samples it.
+`--step-model h200` swaps the step times for an estimate of one H200's (STEP_MODELS: measured decode steps
+and unloaded prefills, not a fitted trace run). A policy's 8th field, STEPMS, bounds the steps beside
+decodes (--max-step-ms-with-decodes, engine/step_time_cap.py) on this model's own step times.
 `--validate` reads a measured ttft_trace result and prints the model's step means and TTFT beside
 the measured ones for the same policies (each under its run's ladder; the model's late dispatch is
 the oracle's, while the engine predicts, so measured late-dispatch runs read slower). The model ranks
@@ -70,6 +73,15 @@ class StepModel:
         xs, ys = zip(*self.small)
         w = float(np.interp(bucket, xs, ys)) if bucket <= xs[-1] else ys[-1] + (bucket - xs[-1]) * self.per_token
         return w + self.kv * decode_context + self.pair * pairs
+
+
+# --step-model: "h100" is the default above (fitted to a trace run); "h200" is estimated, not fitted:
+# decode steps of one H200 (V2-Lite 27 layers, 2026-12-03: 2.96 / 5.78 / 9.80 ms at 1 / 8 / 64, ~11.5 ms
+# at 128, docs/performance.md), prefill 0.9x the H100's (the unloaded 6,142 / 32,407-token prompts took
+# 0.102 / 0.69 s on an H200 against 0.113 / 0.74 s on an H100 under the same ladder, 2026-12-04/05), a
+# decode row's context read at the HBM ratio (3.35 / 4.8 TB/s)
+STEP_MODELS = {"h100": {}, "h200": {"small": ((1, 2.96e-3), (8, 5.78e-3), (64, 9.8e-3), (128, 11.5e-3)),
+                                    "per_token": 0.9 * 12.1e-6, "pair": 0.9 * 5.5e-10, "kv": 1.7e-8}}
 
 
 @dataclasses.dataclass
@@ -193,10 +205,12 @@ def main(argv=None):
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--lead-ms", type=float, default=14.0,
                    help="late dispatch: schedule this long before the step in flight ends (14: the engine's lead on one H100)")
+    p.add_argument("--step-model", choices=sorted(STEP_MODELS), default="h100",
+                   help="step times: h100 (fitted to a trace run on one H100) or h200 (estimated, STEP_MODELS)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     arrivals = W.read_mooncake(a.trace, 512, 0, a.time_scale)
-    model = StepModel(lead_s=a.lead_ms / 1e3)
+    model = StepModel(lead_s=a.lead_ms / 1e3, **STEP_MODELS[a.step_model])
     by_len = sorted(arrivals, key=lambda x: x.prompt_len)
     measured = read_json(a.validate) if a.validate else None
     if measured:  # each measured run under its own ladder, its GAP field dropped from the policy
@@ -237,7 +251,7 @@ def main(argv=None):
                          "steps": f"{st['decode_only']['steps']}+{st['with_prefill']['steps']}"})
     print(table(rows, ["policy", "gap", "ttft_p50", "ttft_p99", "p50_over_unloaded", "p99_over_longest", "wait_p50", "prefill_p50",
                        "tpot_p50_ms", "tpot_p99_over_p50", "q_p50", "decode_ms", "prefill_step_ms", "steps", "busy_s", "hit", "sim_s"]))
-    write_results("ttft_sim", {"unloaded_by_gap": bases, "model": dataclasses.asdict(model), "rows": rows, "args": vars(a)})
+    write_results("ttft_sim", {"step_model_name": a.step_model, "unloaded_by_gap": bases, "model": dataclasses.asdict(model), "rows": rows, "args": vars(a)})
 
 
 if __name__ == "__main__":
