@@ -109,6 +109,9 @@ class EngineStatsCollector(Collector):
         yield _gauge("splash_engine_late_dispatch_lead_seconds", "How long before a held step's predicted end the "
                      "next one is scheduled (host time to its launch, margin, backoff)",
                      (late.get("host_lead_ms") or 0.0) / 1e3 if late.get("enabled") else 0.0)
+        yield self._counter("splash_engine_step_time_cap_steps", "Steps whose prefill beside decodes "
+                            "--max-step-ms-with-decodes cut (engine/step_time_cap.py)",
+                            (s.get("step_time_cap") or {}).get("capped_steps"))
         yield _gauge("splash_api_servers", "HTTP front-end processes connected to the engine core", s.get("front_ends", 1))
         yield _gauge("splash_engine_compiles_after_ready", "Traces and compiles in the engine core since it was ready "
                      "(0: every program was compiled at start-up)", s.get("compiles_after_ready", 0))

@@ -608,7 +608,7 @@ def test_speculative_decoding_metrics_come_from_the_engine_stats():
 
 def test_late_dispatch_metrics():
     """The late dispatch's holds and idle launches (engine stats' late_dispatch) as counters, its
-    lead as a gauge; zeros when the engine reports none."""
+    lead as a gauge, and the steps the step-time bound cut; zeros when the engine reports none."""
     from serve.metrics import ServerMetrics
 
     stats: dict = {}
@@ -624,6 +624,9 @@ def test_late_dispatch_metrics():
     assert values["splash_engine_late_dispatch_idle_after_wait_total"] == 1
     assert values["splash_engine_late_dispatch_ended_in_launch_total"] == 4
     assert values["splash_engine_late_dispatch_lead_seconds"] == 0.0145
+    assert values["splash_engine_step_time_cap_steps_total"] == 0  # (engine/step_time_cap.py: none reported)
+    stats["step_time_cap"] = {"max_step_ms": 35.0, "capped_steps": 7}
+    assert _metric_values(metrics.render().decode())["splash_engine_step_time_cap_steps_total"] == 7
 
 
 def test_prefix_cache_metrics_on_the_server():

@@ -72,12 +72,13 @@ class StepTimeCap:
         self._cost: StepCost | None = None
         self._left = math.inf  # seconds of prefill this step may still take (inf: no bound)
         self._taken = 0  # prefill tokens this step took so far
+        self._cut = False  # the bound cut this step's budget or a chunk of it
         self.capped_steps = 0  # steps whose budget or chunks the bound cut (stats)
 
     def begin(self, budget: int, decode_tokens: int, buckets: tuple[int, ...]) -> int:
         """A new step with `decode_tokens` of decodes: its token budget (cut and snapped to a bucket
         when the bound applies)."""
-        self._left, self._taken = math.inf, 0
+        self._left, self._taken, self._cut = math.inf, 0, False
         cost = self.cost() if self.cap_s and decode_tokens else None
         if cost is None or not cost.usable():
             return budget
@@ -86,9 +87,14 @@ class StepTimeCap:
         fresh = max(self.min_tokens, cost.tokens_within(0, budget, self._left))
         target = min(budget, decode_tokens + fresh)
         if target < budget:
-            self.capped_steps += 1
+            self._count_cut()
             return max((b for b in buckets if decode_tokens < b <= target), default=target)
         return budget
+
+    def _count_cut(self) -> None:
+        if not self._cut:
+            self._cut = True
+            self.capped_steps += 1
 
     def take(self, start: int, n: int) -> int:
         """A prompt chunk of up to `n` tokens from `start`: how many it may compute (0: none)."""
@@ -97,6 +103,8 @@ class StepTimeCap:
         m = self._cost.tokens_within(start, n, self._left)
         if self._taken < self.min_tokens:
             m = max(m, min(n, self.min_tokens - self._taken))
+        if m < n:
+            self._count_cut()
         self._left -= self._cost.chunk_s(start, m)
         self._taken += m
         return m
