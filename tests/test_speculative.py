@@ -103,7 +103,7 @@ def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
 
 @pytest.mark.parametrize("mode", ["late", "sync", "ahead"])
 def test_ngram_drafts_late_bound_read_first_or_guessed_keep_outputs(engine, mode):
-    """--speculative-ngram-drafts: sync (default) reads the step in flight back first, so the steps
+    """--speculative-ngram-drafts: sync reads the step in flight back first, so the steps
     that draft do not overlap; late packs a drafting step behind the step in flight and fills its
     drafts from that step's tokens before the launch, so every step overlaps; ahead drafts after a
     guess of its token. Greedy outputs equal decoding one token per step in every mode."""

@@ -142,10 +142,11 @@ class EngineConfig:
     # late: scheduled and packed behind it with placeholder drafts that a lookup after its tokens
     # fills just before the launch (engine/late_drafts.py; only the lookups and the launch wait);
     # ahead: drafts after a guess of its tokens (they lag a step: 28-57% of the drafts kept were lost
-    # on the bundled model). Level-0 steps overlap in every mode. On one H100 (bundled model, 4 layers,
-    # ~0.3 ms of GPU work per step) sync beat late in most batch-8 cells of three runs, late's host work
-    # including a since-fixed per-chunk cost (docs/speculative.md, "Late-bound n-gram drafts").
-    speculative_ngram_drafts: str = "sync"
+    # on the bundled model). Level-0 steps overlap in every mode. Default late: on one H100 (bundled model,
+    # 4 layers, two runs of 6 cells, 2026-12-07 13:13) it beat sync on its weakest cell (repeat at batch 8:
+    # 1.28 / 1.31x against 1.17 / 1.01x) and on the mean of the 12, losing fresh at batch 8 and repeat at 1
+    # by 2-7% (docs/speculative.md, "Late-bound n-gram drafts").
+    speculative_ngram_drafts: str = "late"
     max_stop_token_ids: int = 16  # per request; fixes the sampler's suppress-id columns
     max_logit_bias: int = 64  # logit_bias entries per request; fixes the sampler's bias columns
     seed: int = 0  # seeds the dummy weights and the draw of a seed for each request that gives none
