@@ -108,7 +108,7 @@ class EngineStatsCollector(Collector):
             yield self._counter(f"splash_engine_late_dispatch_{suffix}", doc, late.get(key))
         yield _gauge("splash_engine_late_dispatch_lead_seconds", "How long before a held step's predicted end the "
                      "next one is scheduled (host time to its launch, margin, backoff)",
-                     (late.get("host_lead_ms") or 0.0) / 1e3 if late.get("enabled") else 0.0)
+                     (late.get("host_lead_ms") or 0.0) / 1e3 if late.get("holds", late.get("enabled")) else 0.0)
         yield self._counter("splash_engine_step_time_cap_steps", "Steps whose prefill beside decodes "
                             "--max-step-ms-with-decodes cut (engine/step_time_cap.py)",
                             (s.get("step_time_cap") or {}).get("capped_steps"))

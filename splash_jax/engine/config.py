@@ -82,9 +82,10 @@ class EngineConfig:
     # --max-num-batched-tokens prefill chunk (0 = no cap); steps without decodes use the whole budget.
     max_prefill_tokens_with_decodes: int = 0
     # While any request decodes, a step's prompt chunks are cut so its predicted device time stays within
-    # this many ms (deeper chunks get fewer tokens: they attend to more), bounding the time each decode
-    # waits for the step it rides in; predicted from the engine's own timed steps, applied once 16 long
-    # steps are timed (engine/step_time_cap.py). Trades TTFT for TPOT's tail (docs/performance.md). 0 = off.
+    # this many ms (deeper chunks get fewer tokens: they attend to more), bounding how long a decode waits
+    # for its next token (a streaming client's stall); predicted from the engine's own timed steps, applied
+    # once 16 long steps are timed (engine/step_time_cap.py). Costs TTFT and prefill throughput: on a
+    # long-prompt trace (one H100) 80 ms halved the step p99 and raised TTFT and TPOT (docs/performance.md). 0 = off.
     max_step_ms_with_decodes: float = 0.0
     # Automatic prefix caching: full pages stay cached under the exact tokens of the prefix they end
     # and a new request reuses its longest cached prefix (every layout; kept across switches).
