@@ -38,8 +38,11 @@ class ProbeConfig:
     max_tokens: int = 256
     workload: str = "fresh"  # benchmarks/speculative.py's prompts
     repeats: int = 3  # timed runs per (engine, batch); medians reported
-    profile_steps: int = 20  # decode steps under the profiler (GPU busy)
+    profile_steps: int = 20  # decode steps under the profiler (GPU busy); 0: none
     host_profile_steps: int = 100  # decode steps under cProfile (the host functions that differ); 0: none
+    # each step() starts once the step in flight is done (run_once's idle_device): host phases without the
+    # step program sharing the cores, what to compare on XLA:CPU (its wall times then say nothing)
+    idle_device: bool = False
 
 
 def hold_level_zero(engine: Engine) -> None:
@@ -135,23 +138,24 @@ def main(argv=None):
         results = {name: [] for name in engines}
         for _ in range(probe.repeats):  # alternate, so drift hits both
             for name, engine in engines.items():
-                results[name].append(run_once(engine, texts, probe.max_tokens))
+                results[name].append(run_once(engine, texts, probe.max_tokens, probe.idle_device))
         for name, engine in engines.items():
             seconds = statistics.median(r[0] for r in results[name])
             steps = statistics.median(r[1] for r in results[name])
             phases = {k: statistics.median(r[2].get(k, 0.0) / max(r[1], 1) for r in results[name])
                       for k in results[name][0][2]}
-            prof = busy(engine, texts, probe.profile_steps)
+            prof = busy(engine, texts, probe.profile_steps) if probe.profile_steps else None
             hosts = host_profile(engine, texts, probe.host_profile_steps) if probe.host_profile_steps else []
             for fn, us, calls in hosts:
                 log.info("batch %d %s host: %8.1f us/step %5.1f calls/step  %s", batch, name, us, calls, fn)
             rows.append({
                 "batch": batch, "engine": name, "seconds": seconds, "tok_per_s": batch * probe.max_tokens / seconds,
-                "decode_steps": steps, "wall_ms_per_step": prof.window_ms,
+                "decode_steps": steps, "wall_ms_per_step": prof.window_ms if prof else None,
                 "host_ms_per_step": sum(v for k, v in phases.items() if k != "wait"),
                 "schedule_ms": phases.get("schedule"), "dispatch_ms": phases.get("dispatch"),
                 "complete_ms": phases.get("complete"), "wait_ms": phases.get("wait"),
-                "gpu_busy_ms": prof.busy_ms, "kernels_per_step": prof.kernels, "top_kernels": prof.top,
+                "gpu_busy_ms": prof.busy_ms if prof else None, "kernels_per_step": prof.kernels if prof else None,
+                "top_kernels": prof.top if prof else None,
                 "host_profile": hosts,
             })
         off = next(r for r in rows if r["batch"] == batch and r["engine"] == "off")
