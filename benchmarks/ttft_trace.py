@@ -213,7 +213,7 @@ def rows_of(results: dict, unloaded_by_gap: dict) -> list[dict]:
             "ttft_p99_over_unloaded_longest": ratio(ttft["p99"], unloaded["longest"]["ttft_s"]),
             "tpot_p99_over_p50": ratio(tpot["p99"], tpot["p50"]),
             "step_p99_ms": (steps.get("with_prefill") or {}).get("p99_ms"),
-            "late_waits": r["late_dispatch"]["waits"] if r["late_dispatch"]["enabled"] else "off",
+            "late_waits": r["late_dispatch"]["waits"] if r["late_dispatch"].get("holds", r["late_dispatch"]["enabled"]) else "off",
             "idle_launches": r["late_dispatch"].get("idle_launches"),
             "hit_rate": r["hit_rate"], "preempt": r["preemptions"], "done": f"{r['completed']}/{r['requests']}",
             "same_outputs": sum(a == b for a, b in zip(r["outputs"], first["outputs"])),
