@@ -210,6 +210,39 @@ def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
     assert engine.mtp.num_dispatched > dispatched  # the draft program ran in this generate
 
 
+@pytest.fixture(scope="module")
+def in_step(folder):
+    """An MTP engine whose greedy steps draft inside their own step program (--mtp-drafts-in-step);
+    every step drafts (no draft budget), so every greedy step takes that program."""
+    return Engine(EngineConfig(model=str(folder), **dict(KW, mtp_drafts_in_step=True, speculative_adaptive=False)))
+
+
+def test_drafts_inside_the_step_program(in_step, reference, monkeypatch):
+    """--mtp-drafts-in-step: greedy steps compute their drafts in their own step program and launch
+    no draft program after it. Greedy outputs equal speculation off, every recorded draft equals the
+    hand-chained reference (the MTP pass over the step's tokens, the acceptance count, the chain:
+    all inside the step), nothing compiles after warm-up; steps with logprobs (a sampler program)
+    still run the draft program after them, with outputs unchanged."""
+    params = [SamplingParams(max_tokens=m) for m in (24, 17, 21, 9)]
+    want = _generate(in_step, "off", PROMPTS, params)
+    seen = _recording(in_step, monkeypatch)
+    before = in_step.stats()["speculative"]["mtp_launches"]
+    with count_compiles() as compiles:
+        got = in_step.generate(PROMPTS, params)
+    assert compiles.count == 0, compiles.events
+    launches = in_step.stats()["speculative"]["mtp_launches"]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert launches["in_step"] > before["in_step"] + 20 and launches["draft_programs"] == before["draft_programs"]
+    assert len(seen) > 20
+    wrong = [(seq, d, reference(seq)) for seq, d in seen if d != reference(seq)]
+    assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
+    lp = [SamplingParams(max_tokens=m, logprobs=1) for m in (12, 9)]
+    want_lp = _generate(in_step, "off", PROMPTS[:2], lp)
+    got_lp = in_step.generate(PROMPTS[:2], lp)
+    assert [g.token_ids for g in got_lp] == [w.token_ids for w in want_lp]
+    assert in_step.stats()["speculative"]["mtp_launches"]["draft_programs"] > launches["draft_programs"]
+
+
 def test_max_tokens_and_stop_strings_inside_verify_chunks(engine):
     base = _generate(engine, "off", PROMPTS[:2], SamplingParams(max_tokens=20))
     for i, w in enumerate(base):
@@ -401,17 +434,19 @@ def test_greedy_tokens_equal_the_argmax_of_the_gathered_logits():
 
 
 # --- every layout and live switches (8 CPU devices) ----------------------------------------------
-def _switching(folder, n):
+def _switching(folder, n, in_step=False):
     """n = 2 compiles what it runs (every program of four layouts takes minutes of compiles on a
-    2-core host; zero compiles after warm-up is checked at n = 8 and on one device)."""
+    2-core host; zero compiles after warm-up is checked at n = 8 and on one device). in_step:
+    greedy steps draft inside their step program (--mtp-drafts-in-step)."""
     return Engine(EngineConfig(model=str(folder), layout="tp", enable_switching=True, switch_chunk_pages=1,
-                               num_devices=n, warmup=n == 8,
+                               num_devices=n, warmup=n == 8, mtp_drafts_in_step=in_step,
                                **dict(KW, max_num_batched_tokens=8, min_token_bucket=8, max_pages=64)))
 
 
 @pytest.fixture(scope="module")
 def switching(folder, request):
-    return _switching(folder, request.param)
+    n, in_step = request.param if isinstance(request.param, tuple) else (request.param, False)
+    return _switching(folder, n, in_step)
 
 
 def _run(engine, params, switches=(), rng=None):
@@ -423,12 +458,13 @@ def _run(engine, params, switches=(), rng=None):
 
 # Compiles dominate on a 2-core host: 2 devices, compiled as used, ~50-70 s (default suite);
 # 8 devices with every program of four layouts warmed up, ~6 min (slow: -m slow -k layout).
-@pytest.mark.parametrize("switching", [2, pytest.param(8, marks=pytest.mark.slow)], indirect=True,
-                         ids=["2-devices", "8-devices"])
+@pytest.mark.parametrize("switching", [2, (2, True), pytest.param(8, marks=pytest.mark.slow)], indirect=True,
+                         ids=["2-devices", "2-devices-drafts-in-step", "8-devices"])
 def test_every_layout_and_live_switches_keep_outputs_and_drafts(switching, engine, reference, monkeypatch):
     """In tp, dp, dop and cp, and while live switches move the pages (the MTP layer's latents with
     them): greedy outputs equal one token per step, the MTP drafts recorded after every step equal
-    the single-device reference, and nothing compiles."""
+    the single-device reference, and nothing compiles. Also with the draft pass inside greedy step
+    programs (steps that move pages keep the draft program after them)."""
     from splash_jax.switch.controller import SwitchState
 
     params = [SamplingParams(max_tokens=m) for m in (20, 14, 17, 9)]
@@ -457,6 +493,8 @@ def test_every_layout_and_live_switches_keep_outputs_and_drafts(switching, engin
     assert any(h.steps_overlapped > 1 and h.pages_copied > 0 for h in handles + more)  # pages moved in the background
     wrong = [(seq, d) for seq, d in seen if d != reference(seq)]
     assert len(seen) > 50 and not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
+    if switching.mtp.in_step:
+        assert switching.mtp.num_in_step > 50
 
 
 # --- overlapped MTP steps with a trained head (the bundled model) -------------------------------

@@ -54,6 +54,9 @@ def engine_stats(engine) -> dict:
         "structured_outputs": engine.masks.summary(),
         # drafts proposed and accepted (engine/speculative.py); None with speculation off
         "speculative": (dict(engine.scheduler.spec_stats.summary(engine.config.speculative_method),
-                             adaptive=engine.draft_budget.summary() if engine.draft_budget is not None else None)
+                             adaptive=engine.draft_budget.summary() if engine.draft_budget is not None else None,
+                             # MTP steps whose drafts a draft program computed after them / their own step program
+                             mtp_launches=({"draft_programs": engine.mtp.num_dispatched, "in_step": engine.mtp.num_in_step}
+                                           if engine.mtp is not None else None))
                         if engine.config.speculative_k else None),  # grammar mask fills: count, rows, host ms per fill
     }

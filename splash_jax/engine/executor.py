@@ -246,16 +246,21 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         return full and (defer or not self.fuses(bucket, moving, expanded))
 
     def _program(self, layout: Layout, bucket: Bucket, moving: bool, full: bool, expanded: bool,
-                 mode: SamplerMode | None = None):
+                 mode: SamplerMode | None = None, draft=None):
         """The step program; with `mode` (full only) the fused variant, which samples in `mode`
-        with the step's grammar mask (an input after the packed buffer) instead of returning logits."""
+        with the step's grammar mask (an input after the packed buffer) instead of returning logits.
+        draft (a greedy step, not moving, not expanded: MtpDraftRunner.inline_draft): the MTP draft
+        pass runs inside, after sampling, on inputs `draft.in_specs` after the packed buffer, and
+        the returned token vector carries the drafts (one launch a step instead of two)."""
         if mode is not None and not (full and self.fuses(bucket, moving, expanded)):
             raise ValueError(f"no fused program for {bucket} (moving={moving}, expanded={expanded}, full={full})")
+        if draft is not None and (full or moving or expanded):
+            raise ValueError("drafts inside the step program only for greedy steps that move no pages and expand nothing")
         fused = mode is not None
         shape = self.shape(layout, bucket, expanded)
         ctx = ShardedContext(layout, self.n, self.impl)
         graphdef, treedef, max_rows, draft_rows = self.graphdef, self.treedef, self.max_rows, self.mtp_drafts
-        hidden_out = self.mtp_hidden
+        hidden_out = self.mtp_hidden and draft is None  # (the draft pass inside reads them)
         spec = bool(self.spec_variants)  # accepted counts only where ahead chunks read them
 
         def per_device(params, kv, penalties, prev_tokens, buf, *rest):
@@ -266,9 +271,9 @@ class StepExecutor(StepCompilation, SamplerPrograms):
             rep, dev = split_step_buffer(shape, buf[0])
             batch, sampling, token_slot, prompt_len = unpack_step(shape, rep, dev, prev_tokens)
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
-            if hidden_out:
+            if hidden_out or draft is not None:
                 logits, hidden, kv = model(kv, batch, ctx=ctx, return_hidden="all")
-                extra = (hidden,)
+                extra = (hidden,) if hidden_out else ()
             else:
                 logits, kv = model(kv, batch, ctx=ctx)
                 extra = ()
@@ -282,18 +287,21 @@ class StepExecutor(StepCompilation, SamplerPrograms):
                 out = sample(logits, sampling, penalties, full=True, mode=mode, mask=mask)
             else:
                 out = sample(logits, sampling, None, full=False)
-            if shape.mtp_next:  # this step's MTP latents, now that its tokens exist (mtp_draft: steps
-                # whose drafts nobody reads then launch no draft program)
+            if shape.mtp_next and draft is None:  # this step's MTP latents, now that its tokens exist
+                # (mtp_draft: steps whose drafts nobody reads then launch no draft program)
                 m = shape.replicated_spec().unpack(rep)
                 nxt = jnp.where(m["m_src"] >= 0, out.tokens[jnp.clip(m["m_src"], 0, shape.rows - 1)], m["m_tokens"])
                 kv = mtp_latents(model, kv, dataclasses.replace(batch, tokens=nxt, prefill_span=None), extra[0], ctx)
             tokens = token_vector(out.tokens, sampling.draft if spec else None, max_rows, draft_rows)
+            if draft is not None:  # the MTP pass and the draft chain (mtp_pass.draft_pass) on this step's tokens
+                tokens, kv = draft(model, kv, ctx, batch, sampling, rep, prev_tokens, tokens, hidden, *move)
             return (StepResult(tokens, out.logprob, out.top_ids, out.top_logprobs), kv, penalties) + extra
 
         param_specs_ = tuple(layout.param_spec(p) for p in self.paths)
         kv_specs = jax.tree.map(lambda _: POOL_SPEC, self.kv_abstract(layout))
         pen_specs = jax.tree.map(lambda _: P(), self.penalties)
         in_specs = (param_specs_, kv_specs, pen_specs, P(), P(AXIS)) + ((P(),) if fused else ()) + ((P(AXIS),) if moving else ())
+        in_specs += tuple(draft.in_specs) if draft is not None else ()
         mapped = jax.shard_map(
             per_device, mesh=self.mesh, in_specs=in_specs,
             out_specs=(P(), kv_specs, pen_specs) + ((P(),) if hidden_out else ()), check_vma=False,
@@ -344,8 +352,9 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         return buf if buf.sharding.memory_kind == target.memory_kind else jax.device_put(buf, target)
 
     def lower(self, layout: Layout, bucket: Bucket, moving: bool = False, full: bool = False, expanded: bool = False,
-              mode: SamplerMode | None = None):
-        fn, shape = self._program(layout, bucket, moving, full, expanded, mode)
+              mode: SamplerMode | None = None, draft=None):
+        """draft: see _program; its `abstract_args` follow the packed buffer."""
+        fn, shape = self._program(layout, bucket, moving, full, expanded, mode, draft)
         prev = jax.ShapeDtypeStruct(self.token_vector_shape, jnp.int32, sharding=self.replicated)
         pen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), self.penalties)
         args = [self.param_abstract(layout), self.kv_abstract(layout), pen, prev,
@@ -354,6 +363,8 @@ class StepExecutor(StepCompilation, SamplerPrograms):
             args.append(jax.ShapeDtypeStruct((shape.rows, self.mask_words), jnp.int32, sharding=self.replicated))
         if moving:
             args.append(jax.ShapeDtypeStruct((self.n, len(MOVE_FIELDS) * self.n * self.move_pages), jnp.int32, sharding=self.per_device))
+        if draft is not None:
+            args += list(draft.abstract_args)
         return fn.lower(*args)
 
     def unrolled(self, bucket: Bucket, logits: bool = False) -> bool:
@@ -400,6 +411,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
     def run(
         self, bucket: Bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
         expanded: bool = False, mode: SamplerMode = FULL_MODE, defer: bool = False, drafted: bool | None = None,
+        inline=None,
     ) -> StepResult | StepLogits:
         """Dispatch one step (asynchronously); pool, penalty state and prev_tokens are replaced.
         full: the sampler with random draws, logprobs, penalties and grammar masks
@@ -411,20 +423,29 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         drafted (an MTP engine): whether a draft program reads this step's input, hidden states
         and tokens (MtpDraftRunner.arm; default yes); when none does (the draft budget at level 0
         on a step that samples its own tokens), the input goes to the call as a host buffer, as
-        with speculation off."""
+        with speculation off. inline (program, inputs): a greedy step whose program drafts too
+        (MtpDraftRunner.inline_draft): that program, its draft inputs after the packed buffer; its
+        token vector carries the drafts."""
+        if inline is not None and (full or move is not None or expanded):
+            raise ValueError("a step with drafts inside is greedy, moves no pages and expands nothing")
         if expanded and move is not None:
             raise ValueError("a step that moves pages has no expanded-prefill program")
         if defer and not full:
             raise ValueError("only a full step defers its sampling")
         apart = self.returns_logits(bucket, full, move is not None, expanded, defer)
         fused = full and not apart
-        program = self.compiled(self.layout, bucket, move is not None, full, expanded, mode if fused else None)
-        drafted = self.mtp_hidden and (drafted is None or drafted)
+        if inline is not None:
+            program, more = inline
+            drafted = False  # no draft program after it
+        else:
+            program, more = self.compiled(self.layout, bucket, move is not None, full, expanded, mode if fused else None), []
+            drafted = self.mtp_hidden and (drafted is None or drafted)
         inputs = [self.step_input(rep, dev, apart, place=drafted)]
         if fused:
             inputs.append(self.open_mask(self.shape(self.layout, bucket, expanded).rows))
         if move is not None:
             inputs.append(put(move, self.per_device))
+        inputs += more
         prev = self.prev_tokens
         out, self.kv, self.penalties, *hidden = program(tuple(self.params), self.kv, self.penalties, prev, *inputs)
         if self.mtp_hidden:  # (None when no draft program reads them: draft_step_input refuses)

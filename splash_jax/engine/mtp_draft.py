@@ -23,51 +23,17 @@ s + b + a. The host replaces the codes by the drafts when this step's tokens are
 (MtpDrafter.record), before the next step's. Unlike n-gram drafts, MTP drafts do not lag
 a step: the device computes them once it knows what the step kept.
 
-Why a separate program, not fused into the step program: the sampled token of a step's last row
-is the MTP layer's input there, and `full` steps (random draws, logprobs, penalties) sample in a
-separate sampler program after the step, as grammar steps do later still; a fused pass would
-need a second path for those. One draft program serves every step variant (greedy, full,
-moving, deferred), the step programs stay as they were (plus one output), and the MTP pass is
-one program for the whole chain.
+Why a separate program by default: the sampled token of a step's last row is the MTP layer's
+input there, and `full` steps (random draws, logprobs, penalties) sample in a separate sampler
+program after the step, as grammar steps do later still. One draft program serves every step
+variant (greedy, full, moving, deferred), and the step programs stay as they were (plus one
+output). With --mtp-drafts-in-step a greedy step that wants drafts (not moving pages, not
+expanded) runs a step program with the same pass inside instead (`drafts_in_step`): one launch
+a step, which matters where the host's launches set the step's pace (small models, small
+batches); the other steps keep the draft program after them.
 
-What the program computes (for a step whose chunk of request r covers positions s..e-1):
-  1. The acceptance of each verify chunk, as the host computes it (speculative.accepted):
-     a = the leading rows whose sampled token equals their draft (0 for a plain sampling chunk).
-  2. The MTP pass over every token slot of the step: at position q, hidden h_q (the main model's
-     final hidden state, the LM head's input) and the embedding of token q+1, writing the MTP
-     latent at q. Token q+1 is the next prompt (or known) token inside a chunk and for a prefill
-     chunk's last position (the first token of its next chunk, known on the host), and the
-     sampled token of the row for a sampling chunk's last row and for every row of a verify chunk.
-     (For accepted positions of a verify chunk that is the next draft; rows past the first
-     rejection write slots the next step writes again before any query reads them: kv_lens
-     bound every read.) Every step of an engine started with MTP writes these latents, with
-     speculation switched off, at the draft budget's level 0 or n-gram too: so every computed
-     position, a cached prefix page's too, has its MTP latent when drafting resumes. When no
-     drafts are wanted from a step (MtpDraftRunner.arm's keep) only the latents are written (the
-     layer's input and latent projections and the write, mtp.mtp_latents): by the step program
-     itself when it samples its own tokens (greedy and fused steps; StepShape.mtp_next packs each
-     slot's next-token source with the step), so no draft program is launched, else by a
-     latents-only variant of the draft program after the sampler program.
-     Its head (norm, LM head, argmax) runs only at the last accepted position of each sampling
-     chunk (s + a, or e - 1), one row per chain row: draft 1.
-  3. Drafts 2..K chain the MTP layer on its own output hidden state and the previous draft, one
-     row per chain row, at positions s+a+1, ... These chain latents are temporary: the next
-     step's pass 1 writes those positions again. Their pages are addressed from a table of the
-     2K positions after s that the host packs (`c_page`, `c_lens`), picked on the device once a
-     is known; the scheduler gives requests pages for these positions when it can
-     (MtpDrafter.lookahead), else the writes are dropped and only the drafts suffer.
-Each draft is one LM-head product (the head is read K times a step, the floor for K dependent
-drafts), and its argmax is taken per vocabulary shard (mtp.greedy_tokens): no float32 logits
-are gathered. The chain's positions, rope rows and pages are computed for all its steps at once,
-so each chain step is the embedding, the layer and the head. The chain is unrolled in the
-program, not a lax.scan: on GPUs XLA launches a while loop's iterations from the host one at a
-time (about 0.1 ms of host time per layer of a scanned step, engine/compile_options.py) unless it
-unrolls the loop again; K - 1 copies of one layer cost compile time only (bundled model on CPU:
-1.8 s vs 1.6 s scanned at K = 3, 4.2 s vs 2.2 s at K = 8).
-Drafts are argmax of the MTP logits: a deterministic draft, which the verify step's rule (greedy
-equality, or speculative sampling's accept-with-p(d)) keeps exact whatever it is. A request whose
-drafts are missing (first step after admission or preemption, a step that skipped the draft
-program) decodes one token that step and has drafts again after it.
+The pass itself (acceptance, the MTP pass over the step's slots, the K-draft chain) is
+engine/mtp_pass.py's `draft_pass`.
 """
 
 from __future__ import annotations
@@ -82,100 +48,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from splash_jax.attention.layouts import ShardedContext
-from splash_jax.engine.speculative_inputs import row_shifts
-from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, next_tokens, split_step_buffer, unpack_step
-from splash_jax.kv.cache import StepInput
+from splash_jax.engine.mtp_pass import MtpShape, draft_pass, pack_mtp
+from splash_jax.engine.step_packer import split_step_buffer, unpack_step
+from splash_jax.engine.step_programs import program_name
 from splash_jax.mesh.host_put import put
 from splash_jax.mesh.layouts import AXIS, POOL_SPEC, Layout
-from splash_jax.mtp import greedy_tokens, lm_head, mtp_latents, mtp_layer_output
 
 log = logging.getLogger(__name__)
-
-DROPPED = np.iinfo(np.int32).max  # a write page beyond the pool: the write is dropped
-
-
-@dataclasses.dataclass(frozen=True)
-class MtpShape:
-    """The draft program's own buffers for one step shape and K drafts."""
-
-    step: StepShape
-    k: int
-
-    @property
-    def width(self) -> int:
-        """Candidate positions per chain row: s + o for o < 3K. Chain j writes at s + b + a + j: a <= K
-        the drafts the chunk kept, b <= K the shift of an ahead chunk (the drafts its verify chunk
-        before it kept, known on the device only), j < K."""
-        return 3 * self.k
-
-    def replicated_spec(self) -> BufferSpec:
-        t, c = self.step.total_tokens, self.step.rows
-        return BufferSpec((
-            Field("m_tokens", (t,), np.int32),  # token q+1 of each slot when the host knows it
-            Field("m_src", (t,), np.int32),  # else the logits row whose sampled token it is (-1: m_tokens)
-            Field("c_row0", (c,), np.int32),  # chain row: the chunk's first logits row (its verify rows' first)
-            Field("c_k", (c,), np.int32),  # drafts the chunk verifies (0: a plain sampling chunk)
-            Field("c_pos", (c,), np.int32),  # position of its first logits row
-            Field("c_valid", (c,), np.int32),
-        ))
-
-    def device_spec(self) -> BufferSpec:
-        g, c, w = self.step.segments, self.step.requests, self.width
-        return BufferSpec((Field("c_page", (g, c, w), np.int32), Field("c_lens", (g, c, w), np.int32)))
-
-
-def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int,
-             chains: bool = True) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
-    """-> (replicated [X], per-device [N, Y] buffers, the chain row of each sampling chunk in chunk order).
-    chains=False (the latents-only program, which reads m_tokens and m_src only): no chain rows,
-    and None for the per-device buffer (the host work of the page lookups is skipped)."""
-    shape = mshape.step
-    n, g, rq, w = shape.devices, shape.segments, shape.requests, mshape.width
-    t_total, c_total = shape.total_tokens, shape.rows
-    nrows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
-    last_row = np.cumsum(nrows) - 1
-    m_tokens, m_src = next_tokens(chunks, packed.base, last_row, t_total)
-    c_row0 = np.zeros(c_total, np.int32)
-    c_k = np.zeros(c_total, np.int32)
-    c_pos = np.zeros(c_total, np.int32)
-    c_valid = np.zeros(c_total, np.int32)
-    if chains:
-        c_page = np.full((n, g, rq, w), DROPPED, np.int32)
-        c_lens = np.zeros((n, g, rq, w), np.int32)
-    chain_rows, chain = [], []  # chain: (chunk index, chain row, first position)
-    for i, c in enumerate(chunks):
-        if not (c.samples and chains):
-            continue
-        req, kc = c.request, len(c.drafts)
-        row0 = int(last_row[i]) - kc
-        lrow = int(packed.lrow[i])
-        cr = req.owner * rq + lrow if shape.owner_rows else lrow
-        c_row0[cr], c_k[cr], c_pos[cr], c_valid[cr] = row0, kc, c.end - 1 - kc, 1
-        chain_rows.append(cr)
-        chain.append((req.slot, lrow, c.end - 1 - kc, req.owner))
-    if chain:
-        slots, lrows, first, owners = (np.asarray(x, np.int64) for x in zip(*chain))
-        if shape.owner_rows:  # each chain row on its owner only
-            dev, slot, loc, start = owners, slots, lrows, first
-        else:
-            e = len(chain)
-            dev = np.repeat(np.arange(n), e)
-            slot, loc, start = np.tile(slots, n), np.tile(lrows, n), np.tile(first, n)
-        pos = start[:, None] + np.arange(w)[None]  # [E, W]
-        j = pos // page_size
-        inside = j < tables.m
-        jc = np.minimum(j, tables.m - 1)
-        d2, s2 = dev[:, None], slot[:, None]
-        for seg in range(g):
-            local = tables.local_of[d2, seg, s2, jc]
-            held = inside & (local >= 0)
-            c_page[dev, seg, loc] = np.where(held, local, DROPPED)
-            c_lens[dev, seg, loc] = np.where(inside, tables.before[d2, seg, s2, jc] * page_size
-                                             + np.where(held, pos % page_size + 1, 0), 0)
-    rep = mshape.replicated_spec().pack({"m_tokens": m_tokens, "m_src": m_src, "c_row0": c_row0, "c_k": c_k,
-                                         "c_pos": c_pos, "c_valid": c_valid})
-    dev_buf = mshape.device_spec().pack({"c_page": c_page, "c_lens": c_lens}, lead=(n,)) if chains else None
-    return rep, dev_buf, chain_rows
 
 
 @dataclasses.dataclass
@@ -202,6 +81,21 @@ class _Pending:
     vector: jax.Array  # the step's token vector with the drafts: [2 + K, max_rows], drafts by chain row in rows 2..
 
 
+@dataclasses.dataclass(frozen=True)
+class _InlineDraft:
+    """The draft pass as a part of a greedy step program (StepExecutor._program's `draft`): its two
+    inputs (the pack_mtp buffers) follow the packed step buffer."""
+
+    mshape: MtpShape
+    page_size: int
+    in_specs: tuple
+    abstract_args: tuple
+
+    def __call__(self, model, kv, ctx, batch, sampling, rep, prev, tokens, hidden, mrep, mdev):
+        return draft_pass(model, kv, ctx, self.mshape, batch, sampling, rep, prev, tokens, hidden, mrep, mdev[0],
+                          self.page_size)
+
+
 class MtpDraftRunner:
     """The draft programs of one engine and the drafts in flight. Each draft program writes its
     drafts into the step's token vector, which becomes the executor's prev_tokens: the next step,
@@ -209,10 +103,16 @@ class MtpDraftRunner:
     (speculative_inputs.device_drafts). Device state stays the executor's: the pool is replaced through
     StepExecutor.apply_to_pool."""
 
-    def __init__(self, executor, k: int, page_size: int, dtype):
+    def __init__(self, executor, k: int, page_size: int, dtype, in_step: bool = False):
         self.ex = executor
         self.k = k
         self.page_size = page_size
+        # Greedy steps that want drafts run a step program with the draft pass inside (one launch
+        # a step, EngineConfig.mtp_drafts_in_step); other steps keep the draft program after them.
+        self.in_step = in_step
+        self._in_step: dict[tuple[str, object], object] = {}  # (layout, bucket) -> its step program with drafts
+        self.num_in_step = 0  # steps whose drafts their own step program computed
+        self._inline_rows: list[int] = []  # the chain rows of the step drafts_in_step packed
         self.hidden_dtype = jnp.dtype(dtype)  # the step programs' hidden states: the model's dtype
         self._compiled: dict[tuple[str, object, bool, bool], object] = {}
         self._armed: _Armed | None = None
@@ -234,67 +134,15 @@ class MtpDraftRunner:
         layout = ex.program_layout(layout)
         ctx = ShardedContext(layout, ex.n, ex.impl)
         graphdef, treedef = ex.graphdef, ex.treedef
-        rows, cq, owner_rows = shape.rows, shape.requests, shape.owner_rows
 
         def per_device(params, kv, hidden, prev, tokens, buf, mrep, mdev):
             # the step's input as the step read it (prev: the token vector before it), so ahead
             # chunks move and device-fed tokens and drafts resolve as they did in the step
             rep, dev = split_step_buffer(shape, buf[0])
             batch, sampling, _, _ = unpack_step(shape, rep, dev, prev)
-            m = mshape.replicated_spec().unpack(mrep)
-            d = mshape.device_spec().unpack(mdev[0])
             model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, list(params)))
-            norm, head, vocab = model.mtp[0].norm, lm_head(model), model.cfg.vocab_size
-            sampled = tokens[0, :rows]  # the tokens by row (entries past `rows` are not this program's)
-            src = m["m_src"]
-            nxt = jnp.where(src >= 0, sampled[jnp.clip(src, 0, rows - 1)], m["m_tokens"])
-            if latents_only:
-                return tokens, mtp_latents(model, kv, dataclasses.replace(batch, tokens=nxt, prefill_span=None), hidden, ctx)
-            # 1. each verify chunk's accepted drafts, as speculative.accepted counts them: known
-            #    before the MTP pass, so its head runs at each chain row's last accepted row only
-            i = jnp.arange(k, dtype=jnp.int32)
-            idx = jnp.clip(m["c_row0"][:, None] + i[None], 0, rows - 1)
-            match = (sampled[idx] == sampling.draft[idx]) & (i[None] < m["c_k"][:, None])
-            a = jnp.cumprod(match.astype(jnp.int32), axis=1).sum(axis=1)  # [C]
-            at = batch.logits_index[jnp.clip(m["c_row0"] + a, 0, rows - 1)]  # token slot of position s + a
-            # an ahead chunk's shift b (its positions moved on the device: speculative_inputs.shift_ahead)
-            b = row_shifts(shape.replicated_spec().unpack(rep), prev)[jnp.clip(m["c_row0"], 0, rows - 1)] \
-                if shape.variants else jnp.zeros_like(a)
-            # 2. the MTP pass over every token slot (its latents; absorbed attention even for an
-            #    expanded chunk), then the head at the C chain rows: draft 1
-            x, kv = mtp_layer_output(model, kv, dataclasses.replace(batch, tokens=nxt, prefill_span=None), hidden, ctx)
-            h = norm(x[at])
-            token = greedy_tokens(h, head, vocab, AXIS)
-            drafts = [token]
-            if k == 1:
-                return tokens.at[2, :rows].set(token), kv
-            # 3. the chain: one row per chain row at positions s + a + j, j = 1..K-1. Everything
-            #    but the layer and the head (positions, rope rows, write pages, key lengths) depends
-            #    on `a` only: computed once for all chain steps, off the chain's dependent path.
-            valid = m["c_valid"] > 0
-            if owner_rows:
-                mine = jax.lax.axis_index(AXIS) * cq + jnp.arange(cq, dtype=jnp.int32)
-            else:
-                mine = jnp.arange(cq, dtype=jnp.int32)
-            offset = (b + a)[None] + jnp.arange(1, k, dtype=jnp.int32)[:, None]  # [K-1, C]
-            pos = m["c_pos"][None] + offset
-            cos_sin = model.rope_cos_sin(pos.reshape(-1)).reshape(k - 1, rows, -1)
-            o = jnp.clip(offset[:, mine], 0, mshape.width - 1).T  # [cq, K-1]
-            o = jnp.broadcast_to(o[None], d["c_page"].shape[:2] + (k - 1,))
-            held = valid[mine][None, :, None]
-            write_page = jnp.where(held, jnp.take_along_axis(d["c_page"], o, axis=2), DROPPED)  # [G, cq, K-1]
-            kv_lens = jnp.where(held, jnp.take_along_axis(d["c_lens"], o, axis=2), 0)
-            write_offset = pos[:, mine] % page_size
-            local_rows, every_row = jnp.arange(cq, dtype=jnp.int32), jnp.arange(rows, dtype=jnp.int32)
-            for j in range(k - 1):  # unrolled: see the module docstring
-                chain = StepInput(token, pos[j], local_rows, write_page[..., j], write_offset[j], kv_lens[..., j],
-                                  batch.page_table, every_row, None, valid)
-                x, kv = mtp_layer_output(model, kv, chain, h, ctx, cos_sin=cos_sin[j])
-                h = norm(x)
-                token = greedy_tokens(h, head, vocab, AXIS)
-                drafts.append(token)
-            # the step's token vector with the drafts by chain row: the next step reads them there
-            return tokens.at[2 : 2 + k, :rows].set(jnp.stack(drafts)), kv
+            return draft_pass(model, kv, ctx, mshape, batch, sampling, rep, prev, tokens, hidden, mrep, mdev[0],
+                              page_size, latents_only)
 
         param_specs_ = tuple(layout.param_spec(p) for p in ex.paths)
         kv_specs = jax.tree.map(lambda _: POOL_SPEC, ex.kv_abstract(layout))
@@ -345,14 +193,67 @@ class MtpDraftRunner:
 
     def compile_all(self, layouts: list[Layout]) -> int:
         todo = [key for key in self.keys(layouts) if (key[0].name, *key[1:]) not in self._compiled]
+        in_step = [(lay, b) for lay, b in self.in_step_keys(layouts) if (lay.name, b) not in self._in_step]
         with self.ex.compile_stats.track("mtp_drafts") as rec:
             for lay, b, e, lo in todo:
                 self._compiled[(lay.name, b, e, lo)] = self._compile(lay, b, e, lo)
-            rec["programs"] = len(todo)
-        self.ex.num_compiled += len(todo)
+            for lay, b in in_step:
+                self._in_step[(lay.name, b)] = self._compile_in_step(lay, b)
+            rec["programs"] = len(todo) + len(in_step)
+        self.ex.num_compiled += rec["programs"]
         self.ex.compile_seconds += rec["seconds"]
-        log.info("compiled %d MTP draft programs in %.1fs", len(todo), rec["seconds"])
-        return len(todo)
+        log.info("compiled %d MTP draft programs and %d step programs with drafts inside in %.1fs",
+                 len(todo), len(in_step), rec["seconds"])
+        return rec["programs"]
+
+    # --- the draft pass inside greedy step programs -----------------------------------------
+    def in_step_keys(self, layouts: list[Layout]) -> list[tuple]:
+        """(layout, bucket) of the step programs with drafts inside (none unless in_step)."""
+        if not self.in_step:
+            return []
+        ex = self.ex
+        layouts = list(dict.fromkeys(ex.program_layout(l) for l in layouts))
+        return [(lay, b) for lay in layouts for b in ex.buckets(lay)]
+
+    def _inline_draft(self, layout: Layout, bucket) -> _InlineDraft:
+        ex = self.ex
+        mshape = MtpShape(ex.shape(layout, bucket), self.k)
+        return _InlineDraft(mshape, self.page_size, (P(), P(AXIS)), (
+            jax.ShapeDtypeStruct((mshape.replicated_spec().size,), jnp.int32, sharding=ex.replicated),
+            jax.ShapeDtypeStruct((ex.n, mshape.device_spec().size), jnp.int32, sharding=ex.per_device)))
+
+    def _compile_in_step(self, layout: Layout, bucket):
+        """A greedy step program of (layout, bucket) with the draft pass inside, compiled as the
+        step programs are (their options, unrolled as theirs are)."""
+        ex = self.ex
+        lowered = ex.lower(layout, bucket, draft=self._inline_draft(layout, bucket))
+        return ex._compile(lowered, False, ex.unrolled(bucket), program_name(layout, bucket, False, False, False, None) + "+drafts")
+
+    def in_step_program(self, layout: Layout, bucket):
+        layout = self.ex.program_layout(layout)
+        key = (layout.name, bucket)
+        program = self._in_step.get(key)
+        if program is None:  # only without warm-up
+            program = self._in_step[key] = self._compile_in_step(layout, bucket)
+            self.ex.num_compiled += 1
+        return program
+
+    def drafts_in_step(self, bucket, packed, chunks, tables) -> tuple:
+        """For executor.run's `inline`: the step program of this greedy step with the draft pass
+        inside and its two inputs (pack_mtp's buffers). `drafted_in_step` follows its dispatch."""
+        ex = self.ex
+        mrep, mdev, chain_rows = pack_mtp(self._mshape(bucket, False), chunks, packed, tables, self.page_size)
+        self._armed, self._inline_rows = None, chain_rows
+        return self.in_step_program(ex.layout, bucket), [put(mrep, ex.replicated), put(mdev, ex.per_device)]
+
+    def drafted_in_step(self, chunks, tokens: jax.Array) -> None:
+        """After a step dispatched with drafts_in_step's program: its token vector (the executor's
+        prev_tokens now) holds the drafts, read back with its tokens (`take`)."""
+        chain_rows = self._inline_rows
+        sampling = [c.request for c in chunks if c.samples]
+        self._rows = dict(zip(sampling, chain_rows))
+        self._pending = self._pending[-1:] + [_Pending(chunks, chain_rows, tokens)]
+        self.num_in_step += 1
 
     def compiled(self, layout: Layout, bucket, expanded: bool, latents_only: bool = False):
         layout = self.ex.program_layout(layout)
