@@ -172,7 +172,7 @@ def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: i
     drafter, overlapped, mode = split_method(method)
     engine.set_overlap(overlapped)
     default_mode = engine.config.speculative_ngram_drafts  # (the engine's own, for methods that name none)
-    engine.config.speculative_ngram_drafts = mode or default_mode
+    engine.config.speculative_ngram_drafts = mode if drafter == "ngram" and mode else default_mode
     in_step = engine.mtp.in_step if engine.mtp is not None else None
     if drafter == "mtp" and mode:
         engine.mtp.in_step = mode == "in-step"  # (its programs compiled at start-up: main's engine)
