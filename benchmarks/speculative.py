@@ -57,8 +57,9 @@ class SpecBench:
     # draft sources to run: ngram and/or mtp (mtp needs a checkpoint with an MTP layer); a -sync suffix
     # (ngram-sync, mtp-sync) runs that method's steps without overlapped scheduling (set_overlap(False));
     # ngram/late, ngram/sync, ngram/ahead run n-gram with that --speculative-ngram-drafts mode;
-    # mtp/in-step runs MTP with the draft pass inside greedy step programs (--mtp-drafts-in-step),
-    # mtp/apart with the draft program after each step (the MTP engine takes both then)
+    # mtp/in-step runs MTP with the draft pass inside greedy step programs (of buckets up to
+    # --mtp-drafts-in-step-max-tokens, 512 if that is 0), mtp/apart with the draft program after
+    # each step
     methods: str = "ngram"
     workloads: str = "copy,fresh,repeat"
     max_tokens: int = 128
@@ -173,9 +174,9 @@ def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: i
     engine.set_overlap(overlapped)
     default_mode = engine.config.speculative_ngram_drafts  # (the engine's own, for methods that name none)
     engine.config.speculative_ngram_drafts = mode if drafter == "ngram" and mode else default_mode
-    in_step = engine.mtp.in_step if engine.mtp is not None else None
-    if drafter == "mtp" and mode:
-        engine.mtp.in_step = mode == "in-step"  # (its programs compiled at start-up: main's engine)
+    in_step = engine.mtp.in_step_max_tokens if engine.mtp is not None else None
+    if drafter == "mtp" and mode:  # (the programs compiled at start-up: main's engine)
+        engine.mtp.in_step_max_tokens = (engine.config.mtp_drafts_in_step_max_tokens or 512) if mode == "in-step" else 0
     try:
         engine.set_speculative(drafter if k else "off", k or None)
         if k and engine.config.speculative_adaptive:
@@ -186,7 +187,7 @@ def measure(engine: Engine, method: str, k: int, texts: list[str], max_tokens: i
     finally:
         engine.config.speculative_ngram_drafts = default_mode
         if in_step is not None:
-            engine.mtp.in_step = in_step
+            engine.mtp.in_step_max_tokens = in_step
     return timed, engine.stats()["speculative"] or {}
 
 
@@ -226,9 +227,9 @@ def main(argv=None):
     # step, speculating or not, so its own K = 0 would understate the baseline.
     engines = {"ngram": Engine(dataclasses.replace(config, speculative_method="ngram", speculative_tokens=k_max))}
     if any(m.startswith("mtp") for m in methods):
-        in_step = config.mtp_drafts_in_step or "mtp/in-step" in methods
+        in_step = config.mtp_drafts_in_step_max_tokens or (512 if "mtp/in-step" in methods else 0)
         engines["mtp"] = Engine(dataclasses.replace(config, speculative_method="mtp", speculative_tokens=k_max,
-                                                    mtp_drafts_in_step=in_step))
+                                                    mtp_drafts_in_step_max_tokens=in_step))
     base_engine = engines["ngram"]
     TRACES.update({id(e): StepTrace(e) for e in engines.values()})
     rows = []

@@ -199,7 +199,7 @@ def test_first_drafts_are_the_mtp_layer_chained_on_itself(engine, folder, monkey
 def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
     params = [SamplingParams(max_tokens=m) for m in (24, 17, 21, 9)]
     want = _generate(engine, "off", PROMPTS, params)
-    dispatched, before = engine.mtp.num_dispatched, engine.stats()["speculative"]
+    dispatched, before = engine.mtp.num_dispatched + engine.mtp.num_in_step, engine.stats()["speculative"]
     with count_compiles() as compiles:
         got = engine.generate(PROMPTS, params)
     assert compiles.count == 0, compiles.events  # step and draft programs were all compiled at start-up
@@ -207,22 +207,25 @@ def test_greedy_outputs_equal_decoding_one_token_per_step(engine):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.text for g in got] == [w.text for w in want]
     assert spec["verify_chunks"] > before["verify_chunks"] and spec["draft_tokens"] > before["draft_tokens"]
-    assert engine.mtp.num_dispatched > dispatched  # the draft program ran in this generate
+    assert engine.mtp.num_dispatched + engine.mtp.num_in_step > dispatched  # drafts were computed in this generate
 
 
-@pytest.fixture(scope="module")
-def in_step(folder):
-    """An MTP engine whose greedy steps draft inside their own step program (--mtp-drafts-in-step);
-    every step drafts (no draft budget), so every greedy step takes that program."""
-    return Engine(EngineConfig(model=str(folder), **dict(KW, mtp_drafts_in_step=True, speculative_adaptive=False)))
+@pytest.fixture(scope="module", params=[16, 0], ids=["in-step", "draft-program"])
+def by_launch(folder, request):
+    """An MTP engine whose greedy steps draft inside their own step program (every bucket: 16
+    tokens at most here) or in the draft program after it (0); every step drafts (no draft
+    budget), so every greedy step takes that path."""
+    return Engine(EngineConfig(model=str(folder), **dict(KW, mtp_drafts_in_step_max_tokens=request.param,
+                                                         speculative_adaptive=False)))
 
 
-def test_drafts_inside_the_step_program(in_step, reference, monkeypatch):
-    """--mtp-drafts-in-step: greedy steps compute their drafts in their own step program and launch
-    no draft program after it. Greedy outputs equal speculation off, every recorded draft equals the
-    hand-chained reference (the MTP pass over the step's tokens, the acceptance count, the chain:
-    all inside the step), nothing compiles after warm-up; steps with logprobs (a sampler program)
-    still run the draft program after them, with outputs unchanged."""
+def test_drafts_inside_the_step_program_or_after_it(by_launch, reference, monkeypatch):
+    """--mtp-drafts-in-step-max-tokens: greedy steps compute their drafts in their own step program
+    and launch no draft program after it; at 0 the draft program after each step does. Either way
+    greedy outputs equal speculation off, every recorded draft equals the hand-chained reference
+    (the MTP pass over the step's tokens, the acceptance count, the chain), nothing compiles after
+    warm-up; steps with logprobs (a sampler program) run the draft program after them."""
+    in_step = by_launch
     params = [SamplingParams(max_tokens=m) for m in (24, 17, 21, 9)]
     want = _generate(in_step, "off", PROMPTS, params)
     seen = _recording(in_step, monkeypatch)
@@ -232,7 +235,10 @@ def test_drafts_inside_the_step_program(in_step, reference, monkeypatch):
     assert compiles.count == 0, compiles.events
     launches = in_step.stats()["speculative"]["mtp_launches"]
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert launches["in_step"] > before["in_step"] + 20 and launches["draft_programs"] == before["draft_programs"]
+    if in_step.mtp.in_step_max_tokens:
+        assert launches["in_step"] > before["in_step"] + 20 and launches["draft_programs"] == before["draft_programs"]
+    else:
+        assert launches["in_step"] == 0 and launches["draft_programs"] > before["draft_programs"] + 20
     assert len(seen) > 20
     wrong = [(seq, d, reference(seq)) for seq, d in seen if d != reference(seq)]
     assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
@@ -316,6 +322,7 @@ def test_steps_without_drafts_write_the_latents_drafting_reads(engine, reference
     monkeypatch.setattr(engine.executor, "run", counted)
     got = collections.defaultdict(list)
     engine.set_speculative("off")
+    in_step0 = engine.mtp.num_in_step
     ids = [engine.add_request(p, params) for p in PROMPTS]
     outs = [o for _ in range(8) for o in engine.step()]
     off_steps, off_dispatched = ran[True], ran["steps"]
@@ -327,7 +334,9 @@ def test_steps_without_drafts_write_the_latents_drafting_reads(engine, reference
     for o in outs:
         got[o.request_id] += o.delta_token_ids
     assert [got[i] for i in ids] == [w.token_ids for w in want]
-    assert off_dispatched >= 6 and off_steps == (off_dispatched if logprobs else 0) and ran[False] > 0, ran
+    # drafting then: the draft program after full steps, the step program itself for greedy ones
+    drafting = ran[False] if logprobs else engine.mtp.num_in_step - in_step0
+    assert off_dispatched >= 6 and off_steps == (off_dispatched if logprobs else 0) and drafting > 0, ran
     assert len(seen) > 10
     wrong = [(seq, d, reference(seq)) for seq, d in seen if d != reference(seq)]
     assert not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
@@ -392,17 +401,22 @@ def test_full_sampler_steps_feed_the_draft_program(engine, reference, monkeypatc
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
 
 
-def test_drafts_read_the_step_input_from_pinned_host_memory(folder, engine, reference, monkeypatch):
+@pytest.mark.parametrize("in_step", [0, 16], ids=["draft-program", "in-step"])
+def test_drafts_read_the_step_input_from_pinned_host_memory(folder, engine, reference, monkeypatch, in_step):
     """With step inputs in pinned host memory (the GPU default) the draft program reads the step's
     packed input there, also after a full step, whose input stays in device memory
-    (executor.draft_step_input): outputs as with device memory, drafts equal the reference."""
-    pinned = Engine(EngineConfig(model=str(folder), **dict(KW, step_input_memory="pinned_host", warmup=False)))
+    (executor.draft_step_input), and a greedy step program with drafts inside takes its input
+    there: outputs as with device memory, drafts equal the reference."""
+    pinned = Engine(EngineConfig(model=str(folder), **dict(KW, step_input_memory="pinned_host", warmup=False,
+                                                           mtp_drafts_in_step_max_tokens=in_step)))
     seen = _recording(pinned, monkeypatch)
     for params in (SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, logprobs=2)):  # greedy, then full steps
         want = _generate(engine, "off", PROMPTS[:2], params)
         got = pinned.generate(PROMPTS[:2], params)
         assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert {key[3] for key in pinned.executor._compiled} == {False, True}  # both kinds of step ran
+    # both kinds of step ran: greedy ones in the program with drafts inside, or apart
+    assert {key[3] for key in pinned.executor._compiled} == ({True} if in_step else {False, True})
+    assert bool(pinned.mtp._in_step) == bool(in_step)
     assert seen and all(d == reference(seq) for seq, d in seen)
 
 
@@ -434,18 +448,18 @@ def test_greedy_tokens_equal_the_argmax_of_the_gathered_logits():
 
 
 # --- every layout and live switches (8 CPU devices) ----------------------------------------------
-def _switching(folder, n, in_step=False):
+def _switching(folder, n, in_step=True):
     """n = 2 compiles what it runs (every program of four layouts takes minutes of compiles on a
-    2-core host; zero compiles after warm-up is checked at n = 8 and on one device). in_step:
-    greedy steps draft inside their step program (--mtp-drafts-in-step)."""
+    2-core host; zero compiles after warm-up is checked at n = 8 and on one device). in_step=False:
+    the draft program after every step (--mtp-drafts-in-step-max-tokens 0)."""
     return Engine(EngineConfig(model=str(folder), layout="tp", enable_switching=True, switch_chunk_pages=1,
-                               num_devices=n, warmup=n == 8, mtp_drafts_in_step=in_step,
+                               num_devices=n, warmup=n == 8, mtp_drafts_in_step_max_tokens=512 if in_step else 0,
                                **dict(KW, max_num_batched_tokens=8, min_token_bucket=8, max_pages=64)))
 
 
 @pytest.fixture(scope="module")
 def switching(folder, request):
-    n, in_step = request.param if isinstance(request.param, tuple) else (request.param, False)
+    n, in_step = request.param if isinstance(request.param, tuple) else (request.param, True)
     return _switching(folder, n, in_step)
 
 
@@ -458,13 +472,14 @@ def _run(engine, params, switches=(), rng=None):
 
 # Compiles dominate on a 2-core host: 2 devices, compiled as used, ~50-70 s (default suite);
 # 8 devices with every program of four layouts warmed up, ~6 min (slow: -m slow -k layout).
-@pytest.mark.parametrize("switching", [2, (2, True), pytest.param(8, marks=pytest.mark.slow)], indirect=True,
-                         ids=["2-devices", "2-devices-drafts-in-step", "8-devices"])
+@pytest.mark.parametrize("switching", [2, (2, False), pytest.param(8, marks=pytest.mark.slow)], indirect=True,
+                         ids=["2-devices", "2-devices-draft-program", "8-devices"])
 def test_every_layout_and_live_switches_keep_outputs_and_drafts(switching, engine, reference, monkeypatch):
     """In tp, dp, dop and cp, and while live switches move the pages (the MTP layer's latents with
     them): greedy outputs equal one token per step, the MTP drafts recorded after every step equal
-    the single-device reference, and nothing compiles. Also with the draft pass inside greedy step
-    programs (steps that move pages keep the draft program after them)."""
+    the single-device reference, and nothing compiles. With the draft pass inside greedy step
+    programs (the default; steps that move pages keep the draft program after them) and with the
+    draft program after every step."""
     from splash_jax.switch.controller import SwitchState
 
     params = [SamplingParams(max_tokens=m) for m in (20, 14, 17, 9)]
@@ -493,8 +508,7 @@ def test_every_layout_and_live_switches_keep_outputs_and_drafts(switching, engin
     assert any(h.steps_overlapped > 1 and h.pages_copied > 0 for h in handles + more)  # pages moved in the background
     wrong = [(seq, d) for seq, d in seen if d != reference(seq)]
     assert len(seen) > 50 and not wrong, f"{len(wrong)} of {len(seen)} draft records differ: {wrong[:3]}"
-    if switching.mtp.in_step:
-        assert switching.mtp.num_in_step > 50
+    assert (switching.mtp.num_in_step > 50) == bool(switching.mtp.in_step_max_tokens)
 
 
 # --- overlapped MTP steps with a trained head (the bundled model) -------------------------------

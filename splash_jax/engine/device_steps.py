@@ -117,8 +117,8 @@ class DeviceSteps:
                 keep or self.executor.returns_logits(bucket, full, move is not None, expanded, constrained))
             if previous is not None and self._binds_late_drafts(chunks):  # n-gram drafts after the tokens it returns
                 self._bind_late(previous, chunks, bucket, expanded, packed)
-            # a greedy step that wants drafts may compute them in its own program (mtp.in_step)
-            in_step = keep and self.mtp.in_step and not (full or expanded or move is not None)
+            # a greedy step that wants drafts may compute them in its own program (mtp.takes_in_step)
+            in_step = keep and self.mtp.takes_in_step(bucket) and not (full or expanded or move is not None)
             inline = self.mtp.drafts_in_step(bucket, packed, chunks, self.scheduler.tables) if in_step else None
             self.dispatch_timing.launching(previous)  # (late dispatch: host time to the launch; an idle device)
             out = self.executor.run(bucket, packed.rep, packed.dev, move, full, expanded, mode, defer=constrained,

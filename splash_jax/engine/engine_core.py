@@ -191,7 +191,7 @@ class EngineCore(DeviceSteps, SpeculationControl):
             from splash_jax.engine.mtp_draft import MtpDraftRunner
 
             self.executor.mtp_hidden = True  # the step programs also return the hidden states
-            self.mtp = MtpDraftRunner(self.executor, k, config.page_size, dtype, in_step=config.mtp_drafts_in_step)
+            self.mtp = MtpDraftRunner(self.executor, k, config.page_size, dtype, in_step_max_tokens=config.mtp_drafts_in_step_max_tokens)
             self.scheduler.share_last_cached_page = False  # its steps write an MTP latent there: copy on write
             self.mtp_drafter.runner = self.mtp  # drafts behind a step in flight stay on the device
         if config.warmup:  # with switching, every layout's steps: a switch must never compile

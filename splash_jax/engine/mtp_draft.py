@@ -27,10 +27,10 @@ Why a separate program by default: the sampled token of a step's last row is the
 input there, and `full` steps (random draws, logprobs, penalties) sample in a separate sampler
 program after the step, as grammar steps do later still. One draft program serves every step
 variant (greedy, full, moving, deferred), and the step programs stay as they were (plus one
-output). With --mtp-drafts-in-step a greedy step that wants drafts (not moving pages, not
-expanded) runs a step program with the same pass inside instead (`drafts_in_step`): one launch
-a step, which matters where the host's launches set the step's pace (small models, small
-batches); the other steps keep the draft program after them.
+output). But a second launch a step costs host time, which sets the pace where steps are short
+(small models, small batches): so a greedy step that wants drafts (not moving pages, not
+expanded, in a bucket of at most --mtp-drafts-in-step-max-tokens) runs a step program with the
+same pass inside instead (`drafts_in_step`); the other steps keep the draft program after them.
 
 The pass itself (acceptance, the MTP pass over the step's slots, the K-draft chain) is
 engine/mtp_pass.py's `draft_pass`.
@@ -103,13 +103,14 @@ class MtpDraftRunner:
     (speculative_inputs.device_drafts). Device state stays the executor's: the pool is replaced through
     StepExecutor.apply_to_pool."""
 
-    def __init__(self, executor, k: int, page_size: int, dtype, in_step: bool = False):
+    def __init__(self, executor, k: int, page_size: int, dtype, in_step_max_tokens: int = 0):
         self.ex = executor
         self.k = k
         self.page_size = page_size
-        # Greedy steps that want drafts run a step program with the draft pass inside (one launch
-        # a step, EngineConfig.mtp_drafts_in_step); other steps keep the draft program after them.
-        self.in_step = in_step
+        # Greedy steps of buckets up to this size that want drafts run a step program with the draft
+        # pass inside (one launch a step, EngineConfig.mtp_drafts_in_step_max_tokens; 0: none);
+        # other steps keep the draft program after them.
+        self.in_step_max_tokens = in_step_max_tokens
         self._in_step: dict[tuple[str, object], object] = {}  # (layout, bucket) -> its step program with drafts
         self.num_in_step = 0  # steps whose drafts their own step program computed
         self._inline_rows: list[int] = []  # the chain rows of the step drafts_in_step packed
@@ -207,13 +208,15 @@ class MtpDraftRunner:
         return rec["programs"]
 
     # --- the draft pass inside greedy step programs -----------------------------------------
+    def takes_in_step(self, bucket) -> bool:
+        """Whether a greedy step of this bucket that wants drafts computes them in its own program."""
+        return bucket.tokens <= self.in_step_max_tokens
+
     def in_step_keys(self, layouts: list[Layout]) -> list[tuple]:
-        """(layout, bucket) of the step programs with drafts inside (none unless in_step)."""
-        if not self.in_step:
-            return []
+        """(layout, bucket) of the step programs with drafts inside."""
         ex = self.ex
         layouts = list(dict.fromkeys(ex.program_layout(l) for l in layouts))
-        return [(lay, b) for lay in layouts for b in ex.buckets(lay)]
+        return [(lay, b) for lay in layouts for b in ex.buckets(lay) if self.takes_in_step(b)]
 
     def _inline_draft(self, layout: Layout, bucket) -> _InlineDraft:
         ex = self.ex

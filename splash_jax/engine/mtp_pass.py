@@ -1,6 +1,6 @@
 """The MTP draft pass on the device (`draft_pass`) and the host's buffers for it (`MtpShape`,
 `pack_mtp`): what runs after a step's sampling, in the draft program after the step
-(engine/mtp_draft.py) or inside a greedy step program (--mtp-drafts-in-step).
+(engine/mtp_draft.py) or inside a greedy step program (--mtp-drafts-in-step-max-tokens).
 
 What the pass computes (for a step whose chunk of request r covers positions s..e-1):
   1. The acceptance of each verify chunk, as the host computes it (speculative.accepted):

@@ -63,7 +63,7 @@ def run_every_program_once(engine, full_sampler: bool = True) -> int:
                                     engine.mtp.arm(bucket, expanded, packed, [], engine.scheduler.tables, keep=keep)
                                     engine.mtp.fire(out.tokens)
                                     count += 1
-                                if engine.mtp.in_step and not expanded:  # the step program with drafts inside
+                                if engine.mtp.takes_in_step(bucket) and not expanded:  # the step program with drafts inside
                                     ex.run(bucket, packed.rep, packed.dev, inline=engine.mtp.drafts_in_step(
                                         bucket, packed, [], engine.scheduler.tables))
                                     count += 1
