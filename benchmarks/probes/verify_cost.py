@@ -108,6 +108,7 @@ def main(argv=None):
             overrides["num_nextn_predict_layers"] = c.mtp_layers
         config.model, config.load_format = str(shape_folder(c.shape, **overrides)), "dummy"
     config.overlap_scheduling = False
+    config.mtp_drafts_in_step_max_tokens = 0  # the draft program after the step, which draft_alone times alone
     engine = Engine(config)
     rng = np.random.default_rng(0)
     rows = []
