@@ -472,7 +472,10 @@ def _run(engine, params, switches=(), rng=None):
 
 # Compiles dominate on a 2-core host: 2 devices, compiled as used, ~50-70 s (default suite);
 # 8 devices with every program of four layouts warmed up, ~6 min (slow: -m slow -k layout).
-@pytest.mark.parametrize("switching", [2, (2, False), pytest.param(8, marks=pytest.mark.slow)], indirect=True,
+# (2, False): the draft program after every step, as before drafts moved into the step (slow: the
+# 2-device default still runs it for steps that move pages; one device checks it in the default suite)
+@pytest.mark.parametrize("switching", [2, pytest.param((2, False), marks=pytest.mark.slow),
+                                       pytest.param(8, marks=pytest.mark.slow)], indirect=True,
                          ids=["2-devices", "2-devices-draft-program", "8-devices"])
 def test_every_layout_and_live_switches_keep_outputs_and_drafts(switching, engine, reference, monkeypatch):
     """In tp, dp, dop and cp, and while live switches move the pages (the MTP layer's latents with
