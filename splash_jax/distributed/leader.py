@@ -92,7 +92,10 @@ class LeaderExecutor:
         setattr(self._inner, name, value)
 
     def run(self, bucket, rep: np.ndarray, dev: np.ndarray, move: np.ndarray | None = None, full: bool = False,
-            expanded: bool = False, mode: SamplerMode = FULL_MODE, defer: bool = False, drafted: bool | None = None):
+            expanded: bool = False, mode: SamplerMode = FULL_MODE, defer: bool = False, drafted: bool | None = None,
+            inline=None):
+        if inline is not None:  # (attach_leader turns MTP drafts inside step programs off)
+            raise ValueError("a step program with MTP drafts inside is not mirrored to follower processes")
         self._channel.send(Command(
             "step", {"bucket": dataclasses.asdict(bucket), "full": bool(full), "expanded": bool(expanded),
                      "mode": dataclasses.asdict(mode), "defer": bool(defer), "t": time.time()},
@@ -207,6 +210,8 @@ def attach_leader(engine, channel) -> None:
         return
     ex = LeaderExecutor(engine.executor, channel)
     engine.executor = ex
+    if engine.mtp is not None:  # followers mirror step commands, not a step program with drafts inside
+        engine.mtp.in_step_max_tokens = 0
     sw = engine.switcher
     if sw is not None:
         sw.movers = {k: RecordedMover(m, k, ex) for k, m in sw.movers.items()}
