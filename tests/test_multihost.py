@@ -224,3 +224,17 @@ def test_two_hosts_serve_through_the_leaders_engine_core_process(tmp_path):
     want = Engine(EngineConfig(**SERVER_ARGS, compile_cache_dir=None, warmup=False)).generate(
         [prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
     assert got["choices"][0]["text"] == want.text, got
+
+
+def test_the_leader_executor_takes_every_argument_of_the_executor():
+    """The leader's wrapper forwards each device call to its followers: an argument the engine
+    passes that the wrapper lacks is a TypeError inside the step, which the engine takes for a
+    device failure (it recomputes every request and cancels a live switch)."""
+    import inspect
+
+    from splash_jax.distributed.leader import LeaderExecutor
+    from splash_jax.engine.executor import StepExecutor
+
+    for name in ("run", "sample"):
+        want = list(inspect.signature(getattr(StepExecutor, name)).parameters)
+        assert list(inspect.signature(getattr(LeaderExecutor, name)).parameters) == want, name
