@@ -11,7 +11,8 @@ donates the pool (the MTP layer's latents are at pool layer num_layers, in the r
 pages, so they move with them in every switch) and returns the step's token vector with the
 drafts by chain row in rows 2.. (step_programs.token_vector), which becomes the executor's
 prev_tokens and is read back with the step's tokens. So a step is 2 launches (3 with a sampler
-program) and no hidden state crosses to the host.
+program), or one for a greedy step with the pass inside (below), and no hidden state crosses to
+the host.
 
 Overlapped scheduling: the next step is scheduled and dispatched before this step's tokens and
 drafts reach the host. A request that samples in this step gets, in the next, a verify chunk
