@@ -45,6 +45,7 @@ from splash_jax.engine.compile_options import (  # noqa: F401  (re-exported: tes
     CONCURRENT_GRAPH_OPTIONS, EXPANDED_GPU_OPTIONS, GRAPH_SCHEDULING, OPTIONAL_OPTIONS, SCANNED_GPU_OPTIONS,
     UNROLLED_GPU_OPTIONS, step_compiler_options,
 )
+from splash_jax.engine.mtp_pass import slot_next_tokens
 from splash_jax.engine.program_memory import ProgramMemory
 from splash_jax.engine.sampler_programs import SamplerPrograms
 from splash_jax.engine.step_compile import StepCompilation
@@ -289,8 +290,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
                 out = sample(logits, sampling, None, full=False)
             if shape.mtp_next and draft is None:  # this step's MTP latents, now that its tokens exist
                 # (mtp_draft: steps whose drafts nobody reads then launch no draft program)
-                m = shape.replicated_spec().unpack(rep)
-                nxt = jnp.where(m["m_src"] >= 0, out.tokens[jnp.clip(m["m_src"], 0, shape.rows - 1)], m["m_tokens"])
+                nxt = slot_next_tokens(shape, rep, out.tokens)
                 kv = mtp_latents(model, kv, dataclasses.replace(batch, tokens=nxt, prefill_span=None), extra[0], ctx)
             tokens = token_vector(out.tokens, sampling.draft if spec else None, max_rows, draft_rows)
             if draft is not None:  # the MTP pass and the draft chain (mtp_pass.draft_pass) on this step's tokens

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from splash_jax.engine.speculative_inputs import row_shifts
-from splash_jax.engine.step_packer import BufferSpec, Field, StepShape, next_tokens
+from splash_jax.engine.step_packer import BufferSpec, Field, StepShape
 from splash_jax.kv.cache import StepInput
 from splash_jax.mesh.layouts import AXIS
 from splash_jax.mtp import greedy_tokens, lm_head, mtp_latents, mtp_layer_output
@@ -74,10 +74,8 @@ class MtpShape:
         return 3 * self.k
 
     def replicated_spec(self) -> BufferSpec:
-        t, c = self.step.total_tokens, self.step.rows
+        c = self.step.rows
         return BufferSpec((
-            Field("m_tokens", (t,), np.int32),  # token q+1 of each slot when the host knows it
-            Field("m_src", (t,), np.int32),  # else the logits row whose sampled token it is (-1: m_tokens)
             Field("c_row0", (c,), np.int32),  # chain row: the chunk's first logits row (its verify rows' first)
             Field("c_k", (c,), np.int32),  # drafts the chunk verifies (0: a plain sampling chunk)
             Field("c_pos", (c,), np.int32),  # position of its first logits row
@@ -89,17 +87,25 @@ class MtpShape:
         return BufferSpec((Field("c_page", (g, c, w), np.int32), Field("c_lens", (g, c, w), np.int32)))
 
 
+def slot_next_tokens(shape: StepShape, rep, sampled):
+    """Inside a step's program: token q+1 of every token slot q, the MTP layer's input there, from
+    the step's replicated buffer (StepShape.mtp_next: step_packer.next_tokens) and its sampled
+    tokens by row."""
+    m = shape.replicated_spec().unpack(rep)
+    return jnp.where(m["m_src"] >= 0, sampled[jnp.clip(m["m_src"], 0, shape.rows - 1)], m["m_tokens"])
+
+
 def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int,
              chains: bool = True) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
     """-> (replicated [X], per-device [N, Y] buffers, the chain row of each sampling chunk in chunk order).
-    chains=False (the latents-only program, which reads m_tokens and m_src only): no chain rows,
-    and None for the per-device buffer (the host work of the page lookups is skipped)."""
+    chains=False (the latents-only program, which reads only the step's own next-token fields): no
+    chain rows, and None for the per-device buffer (the host work of the page lookups is skipped).
+    Each slot's next token is not packed here: the step's buffer carries it (StepShape.mtp_next)."""
     shape = mshape.step
     n, g, rq, w = shape.devices, shape.segments, shape.requests, mshape.width
-    t_total, c_total = shape.total_tokens, shape.rows
+    c_total = shape.rows
     nrows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
     last_row = np.cumsum(nrows) - 1
-    m_tokens, m_src = next_tokens(chunks, packed.base, last_row, t_total)
     c_row0 = np.zeros(c_total, np.int32)
     c_k = np.zeros(c_total, np.int32)
     c_pos = np.zeros(c_total, np.int32)
@@ -137,8 +143,7 @@ def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int,
             c_page[dev, seg, loc] = np.where(held, local, DROPPED)
             c_lens[dev, seg, loc] = np.where(inside, tables.before[d2, seg, s2, jc] * page_size
                                              + np.where(held, pos % page_size + 1, 0), 0)
-    rep = mshape.replicated_spec().pack({"m_tokens": m_tokens, "m_src": m_src, "c_row0": c_row0, "c_k": c_k,
-                                         "c_pos": c_pos, "c_valid": c_valid})
+    rep = mshape.replicated_spec().pack({"c_row0": c_row0, "c_k": c_k, "c_pos": c_pos, "c_valid": c_valid})
     dev_buf = mshape.device_spec().pack({"c_page": c_page, "c_lens": c_lens}, lead=(n,)) if chains else None
     return rep, dev_buf, chain_rows
 
@@ -157,8 +162,7 @@ def draft_pass(model, kv, ctx, mshape: MtpShape, batch, sampling, rep, prev, tok
     d = mshape.device_spec().unpack(mdev)
     norm, head, vocab = model.mtp[0].norm, lm_head(model), model.cfg.vocab_size
     sampled = tokens[0, :rows]  # the tokens by row (entries past `rows` are not this program's)
-    src = m["m_src"]
-    nxt = jnp.where(src >= 0, sampled[jnp.clip(src, 0, rows - 1)], m["m_tokens"])
+    nxt = slot_next_tokens(shape, rep, sampled)
     if latents_only:
         return tokens, mtp_latents(model, kv, dataclasses.replace(batch, tokens=nxt, prefill_span=None), hidden, ctx)
     # 1. each verify chunk's accepted drafts, as speculative.accepted counts them: known
