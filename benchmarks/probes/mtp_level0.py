@@ -1,7 +1,10 @@
-"""Probe: what an MTP engine's steps without drafts cost against speculation off.
+"""Probe: what an MTP engine's steps without drafts cost against speculation off (and, with
+--engines, what a speculative step's host work costs).
 
     python -m benchmarks.probes.mtp_level0                       # the bundled model and its MTP head
     python -m benchmarks.probes.mtp_level0 --batches 1,8 --max-tokens 256
+    JAX_PLATFORMS=cpu python -m benchmarks.probes.mtp_level0 --engines off,mtp0,mtp3,ngram3 \
+        --batches 8 --idle-device --profile-steps 0 --workload repeat
 
 The draft budget turns drafts off (level 0) when they do not pay, and "never loses" needs such
 steps to cost what speculation off costs. An MTP engine still writes every position's MTP latent
@@ -10,6 +13,9 @@ This runs the same greedy requests on two engines of one process:
   off   an engine without an MTP layer, speculation off (overlapped), the baseline of
         benchmarks/speculative.py
   mtp0  an MTP engine with K = 3 whose draft budget is held at level 0
+  mtp3  (--engines) an MTP engine drafting K = 3 every step (no budget), drafts inside greedy
+        step programs (--mtp-drafts-in-step-max-tokens 512)
+  ngram3 (--engines) n-gram drafts, K = 3 every step (no budget)
 and reports per decode step: wall time, the engine thread's host time by phase
 (engine.last_step_ms), and on a GPU the busy time and kernels per step from a profiler trace
 (benchmarks/profiling.py). Prints a table and writes JSON to benchmarks/results/.
@@ -43,6 +49,7 @@ class ProbeConfig:
     # each step() starts once the step in flight is done (run_once's idle_device): host phases without the
     # step program sharing the cores, what to compare on XLA:CPU (its wall times then say nothing)
     idle_device: bool = False
+    engines: str = "off,mtp0"  # of off, mtp0, mtp3, ngram3 (the module docstring)
 
 
 def hold_level_zero(engine: Engine) -> None:
@@ -121,15 +128,24 @@ def host_profile(engine: Engine, texts: list[str], steps: int, top: int = 14) ->
             for (fn, line, name), (_, nc, tt, _, _) in ranked]
 
 
+def make_engine(config, name: str) -> Engine:
+    """One of the probe's engines (the module docstring), its speculation set."""
+    method = {"off": "ngram", "ngram3": "ngram"}.get(name, "mtp")
+    fixed = name in ("mtp3", "ngram3")
+    engine = Engine(dataclasses.replace(config, speculative_method=method, speculative_tokens=3,
+                                        **({"speculative_adaptive": False} if fixed else {}),
+                                        **({"mtp_drafts_in_step_max_tokens": 512} if name == "mtp3" else {})))
+    engine.set_speculative("off" if name == "off" else method, None if name == "off" else 3)
+    if name == "mtp0":
+        hold_level_zero(engine)
+    elif name not in ("off", "mtp3", "ngram3"):
+        raise ValueError(f"unknown engine {name!r} (off, mtp0, mtp3, ngram3)")
+    return engine
+
+
 def main(argv=None):
     probe, config = parse_engine_and_bench(__doc__, ProbeConfig, argv)
-    engines = {
-        "off": Engine(dataclasses.replace(config, speculative_method="ngram", speculative_tokens=3)),
-        "mtp0": Engine(dataclasses.replace(config, speculative_method="mtp", speculative_tokens=3)),
-    }
-    engines["off"].set_speculative("off")
-    engines["mtp0"].set_speculative("mtp", 3)
-    hold_level_zero(engines["mtp0"])
+    engines = {name: make_engine(config, name) for name in probe.engines.split(",")}
     rows = []
     for batch in [int(b) for b in probe.batches.split(",")]:
         texts = prompts(probe.workload, batch, 1200)
@@ -150,7 +166,8 @@ def main(argv=None):
                 log.info("batch %d %s host: %8.1f us/step %5.1f calls/step  %s", batch, name, us, calls, fn)
             rows.append({
                 "batch": batch, "engine": name, "seconds": seconds, "tok_per_s": batch * probe.max_tokens / seconds,
-                "decode_steps": steps, "wall_ms_per_step": prof.window_ms if prof else None,
+                "decode_steps": steps, "tokens_per_step": batch * probe.max_tokens / steps if steps else None,
+                "wall_ms_per_step": prof.window_ms if prof else None,
                 "host_ms_per_step": sum(v for k, v in phases.items() if k != "wait"),
                 "schedule_ms": phases.get("schedule"), "dispatch_ms": phases.get("dispatch"),
                 "complete_ms": phases.get("complete"), "wait_ms": phases.get("wait"),
@@ -158,12 +175,12 @@ def main(argv=None):
                 "top_kernels": prof.top if prof else None,
                 "host_profile": hosts,
             })
-        off = next(r for r in rows if r["batch"] == batch and r["engine"] == "off")
+        off = next((r for r in rows if r["batch"] == batch and r["engine"] == "off"), None)
         for r in rows:
-            if r["batch"] == batch:
+            if r["batch"] == batch and off is not None:
                 r["tok_s_over_off"] = r["tok_per_s"] / off["tok_per_s"]
-        log.info("batch %d: mtp0 at %.3fx of off", batch, rows[-1]["tok_s_over_off"])
-    print(table(rows, ["batch", "engine", "tok_per_s", "tok_s_over_off", "wall_ms_per_step", "gpu_busy_ms",
+        log.info("batch %d: %s at %.3fx of off", batch, rows[-1]["engine"], rows[-1].get("tok_s_over_off", float("nan")))
+    print(table(rows, ["batch", "engine", "tok_per_s", "tok_s_over_off", "tokens_per_step", "wall_ms_per_step", "gpu_busy_ms",
                        "kernels_per_step", "host_ms_per_step", "schedule_ms", "dispatch_ms", "complete_ms", "wait_ms"]))
     write_results("mtp_level0", {"config": dataclasses.asdict(probe), "rows": rows})
 
