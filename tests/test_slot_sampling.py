@@ -13,8 +13,12 @@ WIDTHS = SamplerWidths(num_suppress=3, num_bias=2)
 
 
 def _fresh(slot_sampling: SlotSampling, n: int, rows, slots, generated) -> SamplingInputs:
+    """Rows copied from the table one field at a time, then the output position's fields."""
     out = SamplingInputs.host(n, WIDTHS)
-    slot_sampling.rows(out, rows, slots, generated)
+    for f in dataclasses.fields(SamplingInputs):
+        getattr(out, f.name)[rows] = getattr(slot_sampling.table, f.name)[slots]
+    out.step[rows] = generated
+    out.suppress_ids[rows[generated >= slot_sampling.min_tokens[slots]]] = -1
     return out
 
 

@@ -244,11 +244,13 @@ class MtpDraftRunner:
 
     def drafts_in_step(self, bucket, packed, chunks, tables) -> tuple:
         """For executor.run's `inline`: the step program of this greedy step with the draft pass
-        inside and its two inputs (pack_mtp's buffers). `drafted_in_step` follows its dispatch."""
-        ex = self.ex
+        inside and its two inputs (pack_mtp's buffers). `drafted_in_step` follows its dispatch.
+        The buffers go to the call as host arrays, which it moves to device memory in C++ (as a
+        step's own input without pinned memory: StepExecutor.step_input's place=False), not by a
+        put each."""
         mrep, mdev, chain_rows = pack_mtp(self._mshape(bucket, False), chunks, packed, tables, self.page_size)
         self._armed, self._inline_rows = None, chain_rows
-        return self.in_step_program(ex.layout, bucket), [put(mrep, ex.replicated), put(mdev, ex.per_device)]
+        return self.in_step_program(self.ex.layout, bucket), [mrep, mdev]
 
     def drafted_in_step(self, chunks, tokens: jax.Array) -> None:
         """After a step dispatched with drafts_in_step's program: its token vector (the executor's

@@ -104,32 +104,28 @@ def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int,
     shape = mshape.step
     n, g, rq, w = shape.devices, shape.segments, shape.requests, mshape.width
     c_total = shape.rows
-    nrows = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
-    last_row = np.cumsum(nrows) - 1
     c_row0 = np.zeros(c_total, np.int32)
     c_k = np.zeros(c_total, np.int32)
     c_pos = np.zeros(c_total, np.int32)
     c_valid = np.zeros(c_total, np.int32)
+    chain_rows: list[int] = []
     if chains:
         c_page = np.full((n, g, rq, w), DROPPED, np.int32)
         c_lens = np.zeros((n, g, rq, w), np.int32)
-    chain_rows, chain = [], []  # chain: (chunk index, chain row, first position)
-    for i, c in enumerate(chunks):
-        if not (c.samples and chains):
-            continue
-        req, kc = c.request, len(c.drafts)
-        row0 = int(last_row[i]) - kc
-        lrow = int(packed.lrow[i])
-        cr = req.owner * rq + lrow if shape.owner_rows else lrow
-        c_row0[cr], c_k[cr], c_pos[cr], c_valid[cr] = row0, kc, c.end - 1 - kc, 1
-        chain_rows.append(cr)
-        chain.append((req.slot, lrow, c.end - 1 - kc, req.owner))
-    if chain:
-        slots, lrows, first, owners = (np.asarray(x, np.int64) for x in zip(*chain))
+        idx = [i for i, c in enumerate(chunks) if c.samples]  # one chain row per sampling chunk
+    if chains and idx:
+        e = len(idx)
+        kc = np.fromiter((len(chunks[i].drafts) for i in idx), np.int64, e)
+        first = np.fromiter((chunks[i].end for i in idx), np.int64, e) - 1 - kc  # position of its first logits row
+        slots = np.fromiter((chunks[i].request.slot for i in idx), np.int64, e)
+        owners = np.fromiter((chunks[i].request.owner for i in idx), np.int64, e)
+        lrows = packed.lrow[idx].astype(np.int64)
+        cr = owners * rq + lrows if shape.owner_rows else lrows
+        c_row0[cr], c_k[cr], c_pos[cr], c_valid[cr] = packed.last_rows[idx] - kc, kc, first, 1
+        chain_rows = cr.tolist()
         if shape.owner_rows:  # each chain row on its owner only
             dev, slot, loc, start = owners, slots, lrows, first
         else:
-            e = len(chain)
             dev = np.repeat(np.arange(n), e)
             slot, loc, start = np.tile(slots, n), np.tile(lrows, n), np.tile(first, n)
         pos = start[:, None] + np.arange(w)[None]  # [E, W]

@@ -252,11 +252,6 @@ class SlotSampling:
         self._set_position(out, rows, slots, generated)
         return out
 
-    def rows(self, out: SamplingInputs, rows: np.ndarray, slots: np.ndarray, generated: np.ndarray) -> None:
-        """Write slots[i]'s row at output position generated[i] into out's row rows[i]."""
-        self._copy_rows(out, rows, slots)
-        self._set_position(out, rows, slots, generated)
-
     def _copy_rows(self, out: SamplingInputs, rows: np.ndarray, slots: np.ndarray) -> None:
         for f in dataclasses.fields(SamplingInputs):
             getattr(out, f.name)[rows] = getattr(self.table, f.name)[slots]
@@ -359,15 +354,22 @@ def pack_step(
     samples = np.fromiter((c.samples for c in chunks), bool, num)
     generated = np.fromiter((c.request.num_generated - c.samples for c in chunks), np.int64, num)
     verify = [i for i, c in enumerate(chunks) if c.drafts]
-    sampling = slot_sampling.gather(rows_total, shape.widths, row, slots, generated)
     if verify:  # verify rows, all at once: row j of a chunk of k drafts draws output token j
         vi = np.asarray(verify)
         counts = nrows[vi]  # k + 1
         of, at = np.repeat(vi, counts), offsets_in_runs(counts)  # each verify row's chunk, its index in it
         k_of = np.repeat(counts - 1, counts)
         vrows = row[of] - k_of + at
-        slot_sampling.rows(sampling, vrows, slots[of], generated[of] + at)
+        plain = np.ones(num, bool)
+        plain[vi] = False
+        # one gather for the plain chunks' rows and the verify rows (its cache holds while the
+        # step's layout of rows repeats, as it does from one decode step to the next)
+        sampling = slot_sampling.gather(rows_total, shape.widths, np.concatenate([row[plain], vrows]),
+                                        np.concatenate([slots[plain], slots[of]]),
+                                        np.concatenate([generated[plain], generated[of] + at]))
         sampling.draft[vrows[at < k_of]] = np.concatenate([chunks[i].drafts for i in verify])
+    else:
+        sampling = slot_sampling.gather(rows_total, shape.widths, row, slots, generated)
     prompt_rows = []
     if all_logits:
         logits_index[: len(gslot)] = gslot
