@@ -130,16 +130,18 @@ def host_profile(engine: Engine, texts: list[str], steps: int, top: int = 14) ->
 
 def make_engine(config, name: str) -> Engine:
     """One of the probe's engines (the module docstring), its speculation set."""
-    method = {"off": "ngram", "ngram3": "ngram"}.get(name, "mtp")
-    fixed = name in ("mtp3", "ngram3")
-    engine = Engine(dataclasses.replace(config, speculative_method=method, speculative_tokens=3,
-                                        **({"speculative_adaptive": False} if fixed else {}),
-                                        **({"mtp_drafts_in_step_max_tokens": 512} if name == "mtp3" else {})))
+    if name not in ("off", "mtp0", "mtp3", "ngram3"):
+        raise ValueError(f"unknown engine {name!r} (off, mtp0, mtp3, ngram3)")
+    method = "ngram" if name in ("off", "ngram3") else "mtp"
+    overrides = {"speculative_method": method, "speculative_tokens": 3}
+    if name in ("mtp3", "ngram3"):  # K = 3 every step: no draft budget
+        overrides["speculative_adaptive"] = False
+    if name == "mtp3":
+        overrides["mtp_drafts_in_step_max_tokens"] = 512
+    engine = Engine(dataclasses.replace(config, **overrides))
     engine.set_speculative("off" if name == "off" else method, None if name == "off" else 3)
     if name == "mtp0":
         hold_level_zero(engine)
-    elif name not in ("off", "mtp3", "ngram3"):
-        raise ValueError(f"unknown engine {name!r} (off, mtp0, mtp3, ngram3)")
     return engine
 
 

@@ -109,11 +109,11 @@ def pack_mtp(mshape: MtpShape, chunks, packed, tables, page_size: int,
     c_pos = np.zeros(c_total, np.int32)
     c_valid = np.zeros(c_total, np.int32)
     chain_rows: list[int] = []
+    idx = [i for i, c in enumerate(chunks) if c.samples] if chains else []  # one chain row per sampling chunk
     if chains:
         c_page = np.full((n, g, rq, w), DROPPED, np.int32)
         c_lens = np.zeros((n, g, rq, w), np.int32)
-        idx = [i for i, c in enumerate(chunks) if c.samples]  # one chain row per sampling chunk
-    if chains and idx:
+    if idx:
         e = len(idx)
         kc = np.fromiter((len(chunks[i].drafts) for i in idx), np.int64, e)
         first = np.fromiter((chunks[i].end for i in idx), np.int64, e) - 1 - kc  # position of its first logits row
