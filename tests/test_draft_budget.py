@@ -73,6 +73,41 @@ def test_level_0_is_measured_again_so_a_low_first_reading_of_it_does_not_stick()
     assert seen[-300:].count(0) > 0.95 * 300  # explorations of the others have backed off
 
 
+def test_while_drafts_win_by_little_level_0_is_read_again_each_period_and_one_low_reading_does_not_stick():
+    """Level 3 beats level 0's readings by 1.2x (thin: below THIN_MARGIN) until level 0's steps run at
+    their real speed, 1.1x level 3's: every exploration reads level 0 again and the period does not
+    grow, so the first exploration after the fix turns drafts off. With a clear margin (2x) the
+    neighbours are tried in turn and the period doubles."""
+    def run(level0_seconds, steps):
+        b, seen, explored = DraftBudget(3), [], []
+        for i in range(steps):
+            seen.append(b.choose([0.5], [3])[0])
+            if len(seen) > 1 and seen[-1] != seen[-2] and seen[-2] == b.buckets[1].best:
+                explored.append((i, seen[-1]))
+            # level 3: 12 tokens/s; levels 1-2 lose
+            observe(b, (10, 10.5, 11, 12), (level0_seconds(i), 1.2, 1.2, 1.0))
+        return b, seen, explored
+
+    start = 4 * LEARN_EVERY + 4 * (EXPLORE_STEPS + 1)  # learning is over; level 0 read 10 tok/s
+    b, seen, explored = run(lambda i: 1.0 if i < start else 10 / 13.2, start + 4 * EXPLORE_EVERY)
+    assert b.summary()["level"] == 0, b.summary()
+    after = [lv for i, lv in explored if i >= start]
+    assert after and after[0] == 0  # level 0 again at the first exploration after the learning ...
+    assert seen[-EXPLORE_EVERY:].count(0) > 0.8 * EXPLORE_EVERY  # ... which turned drafts off
+    # thin throughout (level 0 stays at 10 tok/s): only level 0 is explored, once per EXPLORE_EVERY
+    b, seen, explored = run(lambda i: 1.0, start + 6 * EXPLORE_EVERY)
+    assert b.summary()["level"] == 3
+    late = [(i, lv) for i, lv in explored if i >= start]
+    assert [lv for _, lv in late] == [0] * len(late) and len(late) >= 5
+    assert all(b2 - a2 <= EXPLORE_EVERY + EXPLORE_STEPS + 1 for (a2, _), (b2, _) in zip(late, late[1:]))
+    # a clear margin (level 0 at 5 tok/s): neighbours in turn, at doubling periods
+    b, seen, explored = run(lambda i: 2.0, start + 8 * EXPLORE_EVERY)
+    late = [(i, lv) for i, lv in explored if i >= start]
+    assert {lv for _, lv in late} == {0, 2}
+    gaps = [b2 - a2 for (a2, _), (b2, _) in zip(late, late[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > 2 * EXPLORE_EVERY
+
+
 def test_each_batch_size_bucket_learns_its_own_level():
     """Drafts pay at a small batch and lose at a large one (the step's cost grows with its tokens
     there): each bucket of batch sizes ends at its own best level, and the two interleaved never
