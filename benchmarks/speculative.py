@@ -154,9 +154,10 @@ def run(engine: Engine, texts: list[str], max_tokens: int, timed: str | None = N
     outs = engine.generate(texts, params)
     seconds = time.perf_counter() - t
     num_steps = engine.stats()["num_steps"] - steps0
+    host = trace.host() if trace is not None else None  # (the engine thread's CPU per step, GC pauses)
     steps = trace.stop() if trace is not None else []
     if steps:
-        STEPS.append({"run": timed, "batch": len(texts), "seconds": seconds, "steps": steps})
+        STEPS.append({"run": timed, "batch": len(texts), "seconds": seconds, "host": host, "steps": steps})
     return Run(seconds, outs, full_batch_rate(steps, len(texts)), median_tpot(outs), num_steps)
 
 
