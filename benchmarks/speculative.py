@@ -197,14 +197,23 @@ def _median_ratio(pairs) -> float | None:
     return float(np.median(ratios)) if ratios else None
 
 
+def pair(engine: Engine, base_engine: Engine, method: str, k: int, texts: list[str], max_tokens: int) -> tuple[Run, Run, dict]:
+    """One pair: off on base_engine, then `method` at K on engine, back to back -> (off, on, the
+    speculative stats after it)."""
+    off, _ = measure(base_engine, "off", 0, texts, max_tokens)
+    on, spec = measure(engine, method, k, texts, max_tokens)
+    return off, on, spec
+
+
 def cell(engine: Engine, base_engine: Engine, method: str, k: int, texts: list[str], bench: SpecBench) -> Cell:
     """--repeats pairs: off on base_engine, then `method` at K on engine, back to back."""
-    offs, ons = [], []
-    for _ in range(bench.repeats):
-        off, _ = measure(base_engine, "off", 0, texts, bench.max_tokens)
-        on, spec = measure(engine, method, k, texts, bench.max_tokens)
-        offs.append(off)
-        ons.append(on)
+    return cell_of([pair(engine, base_engine, method, k, texts, bench.max_tokens) for _ in range(bench.repeats)])
+
+
+def cell_of(pairs: list[tuple[Run, Run, dict]]) -> Cell:
+    """Medians over pairs of runs (`pair`); outputs and stats of the last."""
+    offs, ons = [a for a, _, _ in pairs], [b for _, b, _ in pairs]
+    spec = pairs[-1][2]
     return Cell(_median_ratio((a.seconds, b.seconds) for a, b in zip(offs, ons)) or 0.0,
                 float(np.median([r.seconds for r in ons])), ons[-1].outs, spec,
                 [r.seconds for r in offs], [r.seconds for r in ons],

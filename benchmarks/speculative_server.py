@@ -16,10 +16,14 @@ files) and each stream count S, with S requests at a time (a round), every reque
    per request is (last token - first token) / (tokens - 1) as the client sees it; a round's TPOT
    is its median request's, and `server_speedup` is the median over rounds of off's round TPOT
    over the n-gram round's beside it. The n-gram server's tokens are checked equal to off's.
-2. The engine alone, in this process after the servers are gone (benchmarks/speculative.py's
-   cell: --repeats pairs of runs, off then n-gram after a run that trains the budget): the median
-   ratio of output tokens per second of the closed batch (`engine_speedup`), and of the median
-   request's TPOT, measured as the client does (`engine_tpot_speedup`).
+2. The engine alone, in this process while the servers are up and idle: after each measured pair
+   of server rounds, a pair of engine runs on the same requests (benchmarks/speculative.py's `pair`:
+   off, then n-gram after a run that trains the budget). The median ratio of output tokens per
+   second of the closed batch (`engine_speedup`), and of the median request's TPOT, measured as the
+   client does (`engine_tpot_speedup`). Measured minutes after the servers, as before 2026-12-07,
+   the engine saw another host: within one device call the engine thread's CPU per step moved by
+   1.45x for the same steps (docs/speculative.md). `server_over_engine_tpot_by_round` divides each
+   server pair's TPOT ratio by the engine pair's beside it, so a drift of the host falls on both.
 `server_speedup` = TPOT off / TPOT n-gram; `server_over_engine` = server_speedup / engine_speedup
 and `server_over_engine_tpot` = server_speedup / engine_tpot_speedup (the issue "Speculative
 decoding that pays at every batch size" asks the server's TPOT to improve by the engine's factor
@@ -36,6 +40,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import time
 
@@ -84,11 +89,12 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
     return out
 
 
-async def alternating(bases: dict[str, str], texts: list[str], max_tokens: int, count: int) -> tuple[dict, dict]:
+async def alternating(bases: dict[str, str], texts: list[str], max_tokens: int, count: int,
+                      between=None) -> tuple[dict, dict]:
     """One unmeasured round of all `texts` at once on each server (it trains the draft budget), then
     `count` rounds on each, alternating which server goes first: name -> measured rounds, and name ->
     this client's CPU time over wall time in those rounds (near 1: the client, not the server, paced
-    the streams)."""
+    the streams). between(i): called after the i-th pair of measured rounds (the engine's pair)."""
     names = list(bases)
     clients = {n: httpx.AsyncClient(base_url=b, timeout=httpx.Timeout(600)) for n, b in bases.items()}
     try:
@@ -107,6 +113,8 @@ async def alternating(bases: dict[str, str], texts: list[str], max_tokens: int, 
                 out[n].append(await one_round(n))
                 cpu[n] += time.process_time() - c0
                 wall[n] += time.perf_counter() - w0
+            if between is not None:
+                between(i)
         return out, {n: cpu[n] / wall[n] if wall[n] else None for n in names}
     finally:
         for c in clients.values():
@@ -125,15 +133,19 @@ def spec_metrics(base: str) -> dict[str, float]:
             if line.startswith("splash_spec") and len(line.split()) == 2}
 
 
-def serve_cells(args, servers: dict[str, str], cells: list[tuple[str, int, list[str]]]) -> dict:
+def serve_cells(args, servers: dict[str, str], cells: list[tuple[str, int, list[str]]], engine_pair) -> dict:
     """Both servers up at once; (workload, streams) -> per server: round TPOTs (s), token ids of the
-    last round, speculative metrics after the cell, the client's CPU share."""
+    last round, speculative metrics after the cell, the client's CPU share; and under "engine" the
+    engine's pairs, one after each pair of rounds (engine_pair(texts) -> speculative.pair's tuple)."""
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction)}
     out: dict = {}
     with contextlib.ExitStack() as stack:
         bases = {n: stack.enter_context(launched_server(a, args.ready_timeout, env)) for n, a in servers.items()}
         for workload, streams, texts in cells:
-            got, busy = asyncio.run(alternating(bases, texts, args.max_tokens, args.rounds))
+            pairs: list = []
+            got, busy = asyncio.run(alternating(bases, texts, args.max_tokens, args.rounds,
+                                                lambda i, texts=texts: pairs.append(engine_pair(texts))))
+            out[(workload, streams, "engine")] = pairs
             out[(workload, streams)] = {n: ([round_tpot(r) for r in got[n]], [s.token_ids for s in got[n][-1]],
                                             spec_metrics(bases[n]), busy[n]) for n in servers}
             log.info("%s streams %d: round TPOT p50 %s", workload, streams,
@@ -148,33 +160,40 @@ def main(argv=None):
     p.add_argument("--drafts", type=int, default=3, help="K of the n-gram server and engine")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=8, help="measured rounds per cell (after one unmeasured)")
-    p.add_argument("--repeats", type=int, default=3, help="engine: (off, n-gram) run pairs per cell")
     p.add_argument("--prompt-chars", type=int, default=1200)
     p.add_argument("--server-args", default="", help="more flags for both servers and the engine's config")
     p.add_argument("--ready-timeout", type=float, default=1200)
-    p.add_argument("--mem-fraction", type=float, default=0.35,
-                   help="GPU memory each of the two servers preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    p.add_argument("--mem-fraction", type=float, default=0.3,
+                   help="GPU memory each of the two servers and this process's engine preallocates "
+                        "(XLA_PYTHON_CLIENT_MEM_FRACTION)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     streams = [int(x) for x in args.streams.split(",")]
     cells = [(w, s, speculative.prompts(w, s, args.prompt_chars)) for w in args.workloads.split(",") for s in streams]
     spec_flags = f"--speculative-method ngram --speculative-tokens {args.drafts}"
-    served = serve_cells(args, {"off": args.server_args, "ngram": f"{args.server_args} {spec_flags}"}, cells)
-
+    # this process's engine shares the GPU with the two servers (before its first use of the backend)
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
     bench, config = parse_engine_and_bench(speculative.__doc__, speculative.SpecBench, [
-        *shlex.split(args.server_args), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)])
+        *shlex.split(args.server_args), "--max-tokens", str(args.max_tokens)])
     engine = Engine(dataclasses.replace(config, speculative_method="ngram", speculative_tokens=args.drafts))
+    for _, _, texts in cells:
+        engine.set_speculative("off")
+        speculative.run(engine, texts, 8)  # first runs of each batch's buckets
+    served = serve_cells(args, {"off": args.server_args, "ngram": f"{args.server_args} {spec_flags}"}, cells,
+                         lambda texts: speculative.pair(engine, engine, "ngram", args.drafts, texts, args.max_tokens))
     rows = []
     for workload, s, texts in cells:
-        engine.set_speculative("off")
-        speculative.run(engine, texts, 8)  # first runs of this batch's buckets
-        c = speculative.cell(engine, engine, "ngram", args.drafts, texts, bench)
+        pairs = served[(workload, s, "engine")]
+        c = speculative.cell_of(pairs)
         (rounds_off, ids_off, _, busy_off), (rounds_on, ids_on, metrics_on, busy_on) = (
             served[(workload, s)][n] for n in ("off", "ngram"))
         tpot_off, tpot_on = float(np.median(rounds_off)), float(np.median(rounds_on))
         by_round = [a / b for a, b in zip(rounds_off, rounds_on)]  # each pair ran back to back
         server = float(np.median(by_round))
+        # each server pair's TPOT ratio over the engine pair's run right after it (the same host minute)
+        engine_by_round = [a.tpot / b.tpot if a.tpot and b.tpot else None for a, b, _ in pairs]
+        beside = [x / e for x, e in zip(by_round, engine_by_round) if e]
         rows.append({
             "workload": workload, "streams": s, "batch": s, "K": args.drafts,
             "acceptance": c.spec.get("acceptance_rate"), "engine_speedup": c.ratio, "engine_tpot_speedup": c.tpot,
@@ -183,6 +202,8 @@ def main(argv=None):
             "client_cpu_share_off": busy_off, "client_cpu_share_ngram": busy_on,
             "server_over_engine": server / c.ratio, "speedup": server,
             "server_over_engine_tpot": server / c.tpot if c.tpot else None,
+            "engine_tpot_speedup_by_round": engine_by_round, "server_over_engine_tpot_by_round": beside,
+            "server_over_engine_tpot_paired": float(np.median(beside)) if beside else None,
             # each side's TPOT itself: a front end in its own process leaves the server's core less
             # host work per step than Engine.generate, whose thread also turns tokens into text
             "engine_tpot_off_ms": c.tpot_off * 1e3 if c.tpot_off else None,
@@ -199,7 +220,8 @@ def main(argv=None):
     print(table(rows, ["workload", "streams", "acceptance", "engine_speedup", "engine_tpot_speedup", "tpot_off_ms",
                        "tpot_ngram_ms", "engine_tpot_off_ms", "engine_tpot_ngram_ms", "server_speedup", "server_speedup_min",
                        "server_speedup_max", "client_cpu_share_off", "client_cpu_share_ngram",
-                       "server_over_engine", "server_over_engine_tpot", "server_outputs_identical"]))
+                       "server_over_engine", "server_over_engine_tpot", "server_over_engine_tpot_paired",
+                       "server_outputs_identical"]))
     last = served[next(reversed(served))]["ngram"][2] if served else {}  # the n-gram server's after the last cell
     write_results("speculative_server", {"args": vars(args), "rows": rows, "server_spec_metrics": last,
                                          "engine": {k: v for k, v in dataclasses.asdict(config).items() if k != "policy"}})
