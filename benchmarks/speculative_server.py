@@ -133,24 +133,24 @@ def spec_metrics(base: str) -> dict[str, float]:
             if line.startswith("splash_spec") and len(line.split()) == 2}
 
 
-def serve_cells(args, servers: dict[str, str], cells: list[tuple[str, int, list[str]]], engine_pair) -> dict:
-    """Both servers up at once; (workload, streams) -> per server: round TPOTs (s), token ids of the
-    last round, speculative metrics after the cell, the client's CPU share; and under "engine" the
-    engine's pairs, one after each pair of rounds (engine_pair(texts) -> speculative.pair's tuple)."""
+def serve_cells(args, servers: dict[str, str], cells: list[tuple[str, int, list[str]]], engine_pair) -> tuple[dict, dict]:
+    """Both servers up at once -> ((workload, streams) -> per server: round TPOTs (s), token ids of
+    the last round, speculative metrics after the cell, the client's CPU share; (workload, streams)
+    -> the engine's pairs, one after each pair of rounds (engine_pair(texts): speculative.pair's))."""
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction)}
     out: dict = {}
+    engine_pairs: dict = {}
     with contextlib.ExitStack() as stack:
         bases = {n: stack.enter_context(launched_server(a, args.ready_timeout, env)) for n, a in servers.items()}
         for workload, streams, texts in cells:
-            pairs: list = []
+            pairs = engine_pairs[(workload, streams)] = []
             got, busy = asyncio.run(alternating(bases, texts, args.max_tokens, args.rounds,
-                                                lambda i, texts=texts: pairs.append(engine_pair(texts))))
-            out[(workload, streams, "engine")] = pairs
+                                                lambda i, texts=texts, pairs=pairs: pairs.append(engine_pair(texts))))
             out[(workload, streams)] = {n: ([round_tpot(r) for r in got[n]], [s.token_ids for s in got[n][-1]],
                                             spec_metrics(bases[n]), busy[n]) for n in servers}
             log.info("%s streams %d: round TPOT p50 %s", workload, streams,
                      {n: f"{np.median(v[0]) * 1e3:.3f} ms" for n, v in out[(workload, streams)].items()})
-    return out
+    return out, engine_pairs
 
 
 def main(argv=None):
@@ -174,17 +174,17 @@ def main(argv=None):
     spec_flags = f"--speculative-method ngram --speculative-tokens {args.drafts}"
     # this process's engine shares the GPU with the two servers (before its first use of the backend)
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
-    bench, config = parse_engine_and_bench(speculative.__doc__, speculative.SpecBench, [
+    _, config = parse_engine_and_bench(speculative.__doc__, speculative.SpecBench, [
         *shlex.split(args.server_args), "--max-tokens", str(args.max_tokens)])
     engine = Engine(dataclasses.replace(config, speculative_method="ngram", speculative_tokens=args.drafts))
     for _, _, texts in cells:
         engine.set_speculative("off")
         speculative.run(engine, texts, 8)  # first runs of each batch's buckets
-    served = serve_cells(args, {"off": args.server_args, "ngram": f"{args.server_args} {spec_flags}"}, cells,
+    served, engine_pairs = serve_cells(args, {"off": args.server_args, "ngram": f"{args.server_args} {spec_flags}"}, cells,
                          lambda texts: speculative.pair(engine, engine, "ngram", args.drafts, texts, args.max_tokens))
     rows = []
     for workload, s, texts in cells:
-        pairs = served[(workload, s, "engine")]
+        pairs = engine_pairs[(workload, s)]
         c = speculative.cell_of(pairs)
         (rounds_off, ids_off, _, busy_off), (rounds_on, ids_on, metrics_on, busy_on) = (
             served[(workload, s)][n] for n in ("off", "ngram"))
