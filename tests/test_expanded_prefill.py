@@ -350,6 +350,22 @@ def test_gpu_steps_get_concurrent_graph_scheduling_unless_asked_for_xlas():
         EngineConfig(graph_scheduling="parallel").validate()
 
 
+def test_graph_update_mode_reaches_gpu_step_compiles_only_and_an_xla_without_it_still_compiles():
+    from splash_jax.engine.compile_options import GRAPH_UPDATE
+    from splash_jax.engine.executor import OPTIONAL_OPTIONS, step_compiler_options
+
+    key = "xla_gpu_command_buffer_update_mode"
+    for expanded_ in (False, True):
+        assert step_compiler_options("gpu", True, expanded_, graph_update="skip-temp")[key] == "SKIP_TEMP"
+        assert key not in step_compiler_options("gpu", True, expanded_, graph_update="always")  # XLA's own default
+    assert step_compiler_options("cpu", True, graph_update="skip-temp") == {}
+    assert key in OPTIONAL_OPTIONS and set(GRAPH_UPDATE) == {"always", "skip-temp"}
+    with pytest.raises(ValueError, match="graph-update"):
+        step_compiler_options("gpu", True, graph_update="never")
+    with pytest.raises(ValueError, match="graph-update"):
+        EngineConfig(graph_update="never").validate()
+
+
 def test_an_expanded_program_that_does_not_build_leaves_its_bucket_absorbed(monkeypatch):
     """A cuDNN that refuses the shapes (here: spans_attention raising while the program is traced)
     costs the expanded form, not the engine: start-up succeeds, outputs equal the absorbed form."""

@@ -49,7 +49,7 @@ class ProbeConfig:
     # each step() starts once the step in flight is done (run_once's idle_device): host phases without the
     # step program sharing the cores, what to compare on XLA:CPU (its wall times then say nothing)
     idle_device: bool = False
-    engines: str = "off,mtp0"  # of off, mtp0, mtp3, ngram3 (the module docstring)
+    engines: str = "off,mtp0"  # of off, mtp0, mtp3, ngram3 (the module docstring); NAME@UPDATE: with --graph-update UPDATE
 
 
 def hold_level_zero(engine: Engine) -> None:
@@ -128,12 +128,17 @@ def host_profile(engine: Engine, texts: list[str], steps: int, top: int = 14) ->
             for (fn, line, name), (_, nc, tt, _, _) in ranked]
 
 
-def make_engine(config, name: str) -> Engine:
-    """One of the probe's engines (the module docstring), its speculation set."""
+def make_engine(config, spec: str) -> Engine:
+    """One of the probe's engines (the module docstring), its speculation set. NAME@UPDATE: with
+    --graph-update UPDATE (an A/B of the CUDA graphs' update mode inside one process, where the
+    host's speed drifts alike for both)."""
+    name, _, update = spec.partition("@")
     if name not in ("off", "mtp0", "mtp3", "ngram3"):
         raise ValueError(f"unknown engine {name!r} (off, mtp0, mtp3, ngram3)")
     method = "ngram" if name in ("off", "ngram3") else "mtp"
     overrides = {"speculative_method": method, "speculative_tokens": 3}
+    if update:
+        overrides["graph_update"] = update
     if name in ("mtp3", "ngram3"):  # K = 3 every step: no draft budget
         overrides["speculative_adaptive"] = False
     if name == "mtp3":
@@ -177,8 +182,10 @@ def main(argv=None):
                 "top_kernels": prof.top if prof else None,
                 "host_profile": hosts,
             })
-        off = next((r for r in rows if r["batch"] == batch and r["engine"] == "off"), None)
-        for r in rows:
+        for r in rows:  # over the off engine of the same graph update (NAME@UPDATE), else plain off
+            update = r["engine"].partition("@")[2]
+            off = next((o for o in rows if o["batch"] == batch and o["engine"] == ("off@" + update if update else "off")),
+                       next((o for o in rows if o["batch"] == batch and o["engine"] == "off"), None))
             if r["batch"] == batch and off is not None:
                 r["tok_s_over_off"] = r["tok_per_s"] / off["tok_per_s"]
         log.info("batch %d: %s at %.3fx of off", batch, rows[-1]["engine"], rows[-1].get("tok_s_over_off", float("nan")))

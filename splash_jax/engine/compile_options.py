@@ -25,7 +25,7 @@ SCANNED_GPU_OPTIONS = {
 NO_REMAT_GPU_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 # Options a different XLA may not know or may spell differently: a compile that refuses one runs
 # without it (logged once), instead of failing the engine.
-OPTIONAL_OPTIONS = ("xla_gpu_enable_command_buffer", "xla_gpu_dot_merger_threshold_mb",
+OPTIONAL_OPTIONS = ("xla_gpu_enable_command_buffer", "xla_gpu_command_buffer_update_mode", "xla_gpu_dot_merger_threshold_mb",
                     "xla_gpu_command_buffer_scheduling_mode", "xla_gpu_graph_enable_concurrent_region",
                     "xla_gpu_enable_while_loop_unrolling", "xla_disable_hlo_passes")
 
@@ -48,6 +48,13 @@ CONCURRENT_GRAPH_OPTIONS = {
 }
 GRAPH_SCHEDULING = ("concurrent", "xla")
 
+# A CUDA graph records its kernels' buffer addresses. Before each launch XLA compares them with the
+# call's buffers and records again every command whose buffers moved (`command_buffer::update`:
+# 0.35 ms of host time per V2-Lite batch-1 decode step on an H200, docs/kernels.md). With SKIP_TEMP
+# the program's temporaries are mapped at the same virtual addresses every call, so only commands
+# that read the inputs or write the outputs are recorded again. --graph-update.
+GRAPH_UPDATE = {"always": "ALWAYS_UPDATE", "skip-temp": "SKIP_TEMP"}
+
 
 # Expanded-prefill programs loop over the prefix in blocks (attention/expanded.py): a while loop
 # whose trip count XLA reads back on the host each iteration, stalling the stream every layer.
@@ -61,11 +68,14 @@ EXPANDED_GPU_OPTIONS = {
 
 
 def step_compiler_options(backend: str, scan_layers: bool, expanded: bool = False,
-                          graph_scheduling: str = "concurrent", unrolled: bool = False) -> dict:
+                          graph_scheduling: str = "concurrent", unrolled: bool = False,
+                          graph_update: str = "always") -> dict:
     """XLA options for the step programs (per compile, so a notebook's other programs keep theirs).
     unrolled: XLA unrolls the scanned layer loop (UNROLLED_GPU_OPTIONS)."""
     if graph_scheduling not in GRAPH_SCHEDULING:
         raise ValueError(f"--graph-scheduling must be one of {GRAPH_SCHEDULING}, got {graph_scheduling!r}")
+    if graph_update not in GRAPH_UPDATE:
+        raise ValueError(f"--graph-update must be one of {tuple(GRAPH_UPDATE)}, got {graph_update!r}")
     options = dict(SCANNED_GPU_OPTIONS) if backend == "gpu" and scan_layers else {}
     if backend == "gpu":
         options.update(NO_REMAT_GPU_OPTIONS)
@@ -75,4 +85,6 @@ def step_compiler_options(backend: str, scan_layers: bool, expanded: bool = Fals
         options.update(EXPANDED_GPU_OPTIONS)
     if backend == "gpu" and graph_scheduling == "concurrent":
         options.update(CONCURRENT_GRAPH_OPTIONS)
+    if backend == "gpu" and graph_update != "always":
+        options["xla_gpu_command_buffer_update_mode"] = GRAPH_UPDATE[graph_update]
     return options

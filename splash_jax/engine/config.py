@@ -196,6 +196,11 @@ class EngineConfig:
     # kernels overlap: V2-Lite batch-1 decode on an H200, GPU busy 3.41 -> 2.94 ms per step) | xla
     # (XLA's default: one chain). executor.CONCURRENT_GRAPH_OPTIONS.
     graph_scheduling: str = "concurrent"
+    # When a step's CUDA graph is brought up to date with its buffers' addresses: always (XLA's
+    # default: every command whose buffers moved since the last call is recorded again, before each
+    # launch) | skip-temp (the program's temporaries live at fixed virtual addresses, remapped per
+    # call, so the commands that touch only them are never recorded again). compile_options.GRAPH_UPDATE.
+    graph_update: str = "always"
     # Move everything alive after start-up (model, compiled programs, jax's caches) out of the
     # garbage collector's reach (gc.freeze). A full collection otherwise walks all of it: 363 ms
     # measured on the CPU mesh with 64 requests running, a stall of whichever step it lands in.
@@ -313,6 +318,8 @@ class EngineConfig:
             raise ValueError(f"--structured-json-whitespace must be compact or flexible, got {self.structured_json_whitespace!r}")
         if self.graph_scheduling not in ("concurrent", "xla"):
             raise ValueError(f"--graph-scheduling must be concurrent or xla, got {self.graph_scheduling!r}")
+        if self.graph_update not in ("always", "skip-temp"):
+            raise ValueError(f"--graph-update must be always or skip-temp, got {self.graph_update!r}")
         if self.step_input_memory not in ("auto", "pinned_host", "device"):
             raise ValueError(f"--step-input-memory must be auto, pinned_host or device, got {self.step_input_memory!r}")
         if self.fused_sampler_max_tokens is not None and self.fused_sampler_max_tokens < 0:

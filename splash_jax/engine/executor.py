@@ -80,7 +80,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         impl: str, widths: SamplerWidths, num_slots: int, extra_pages_total: int = 0, move_pages: int = 0,
         expanded_min_tokens: int = 0, graph_scheduling: str = "concurrent", unroll_max_tokens: int = 0,
         step_input_memory: str = "device", fused_max_tokens: int = 0, expanded_spans: int = expanded.DEFAULT_SPANS,
-        spec_variants: int = 0, mtp_drafts: int = 0,
+        spec_variants: int = 0, mtp_drafts: int = 0, graph_update: str = "always",
     ):
         self.graphdef, state = nnx.split(model)
         leaves_with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -144,7 +144,7 @@ class StepExecutor(StepCompilation, SamplerPrograms):
         # Buckets of at most this many tokens get XLA's unrolled layer loop (scanned GPU steps only).
         self.unroll_max_tokens = unroll_max_tokens if backend == "gpu" and scanned else 0
         self.fused_max_tokens = fused_max_tokens  # buckets up to this size sample inside the step (`fuses`)
-        self.compiler_options = {(e, u): step_compiler_options(backend, scanned, e, graph_scheduling, u)
+        self.compiler_options = {(e, u): step_compiler_options(backend, scanned, e, graph_scheduling, u, graph_update)
                                  for e in (False, True) for u in (False, True)}
 
     # --- the device state this class owns -----------------------------------------------------

@@ -85,7 +85,7 @@ def step_executor_args(config, platform: str, n: int, pages_per_request: int, wi
         pages_per_request=pages_per_request, impl=config.attention_impl, widths=widths, num_slots=config.max_num_seqs,
         extra_pages_total=extra_pages_total, move_pages=switch_chunk_pages if config.enable_switching and n > 1 else 0,
         expanded_min_tokens=config.resolved_expanded_min_tokens(platform), expanded_spans=config.expanded_prefill_spans,
-        graph_scheduling=config.graph_scheduling,
+        graph_scheduling=config.graph_scheduling, graph_update=config.graph_update,
         unroll_max_tokens=config.unroll_max_tokens, step_input_memory=config.resolved_step_input_memory(platform),
         fused_max_tokens=config.resolved_fused_sampler_max_tokens(platform),
         spec_variants=config.speculative_variants,
