@@ -33,7 +33,7 @@ import jax
 from benchmarks.common import parse_engine_and_bench, table, write_results
 from benchmarks.profiling import device_busy
 from benchmarks.speculative import prompts
-from splash_jax.engine import Engine, SamplingParams
+from splash_jax.engine import Engine, EngineConfig, SamplingParams
 
 log = logging.getLogger("benchmarks.probes.mtp_level0")
 
@@ -49,7 +49,7 @@ class ProbeConfig:
     # each step() starts once the step in flight is done (run_once's idle_device): host phases without the
     # step program sharing the cores, what to compare on XLA:CPU (its wall times then say nothing)
     idle_device: bool = False
-    engines: str = "off,mtp0"  # of off, mtp0, mtp3, ngram3 (the module docstring); NAME@UPDATE: with --graph-update UPDATE
+    engines: str = "off,mtp0"  # of off, mtp0, mtp3, ngram3 (the module docstring); NAME@FIELD=VALUE: an engine option changed (engine_overrides)
 
 
 def hold_level_zero(engine: Engine) -> None:
@@ -128,17 +128,31 @@ def host_profile(engine: Engine, texts: list[str], steps: int, top: int = 14) ->
             for (fn, line, name), (_, nc, tt, _, _) in ranked]
 
 
+def engine_overrides(spec: str) -> tuple[str, dict]:
+    """NAME[@FIELD=VALUE...] -> (NAME, EngineConfig fields to change): engines of one process that
+    differ in an option (--graph-update, --graph-scheduling, ...), an A/B where the host's speed
+    drifts alike for both sides."""
+    name, *pairs = spec.split("@")
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    overrides = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        key = key.replace("-", "_")
+        if key not in fields or not value:
+            raise ValueError(f"engine {spec!r}: {pair!r} is not FIELD=VALUE of an EngineConfig field")
+        kind = type(getattr(EngineConfig(), key))
+        overrides[key] = (value.lower() == "true") if kind is bool else kind(value) if kind in (int, float) else value
+    return name, overrides
+
+
 def make_engine(config, spec: str) -> Engine:
-    """One of the probe's engines (the module docstring), its speculation set. NAME@UPDATE: with
-    --graph-update UPDATE (an A/B of the CUDA graphs' update mode inside one process, where the
-    host's speed drifts alike for both)."""
-    name, _, update = spec.partition("@")
+    """One of the probe's engines (the module docstring), its speculation set; NAME@FIELD=VALUE
+    changes an engine option (engine_overrides)."""
+    name, options = engine_overrides(spec)
     if name not in ("off", "mtp0", "mtp3", "ngram3"):
         raise ValueError(f"unknown engine {name!r} (off, mtp0, mtp3, ngram3)")
     method = "ngram" if name in ("off", "ngram3") else "mtp"
-    overrides = {"speculative_method": method, "speculative_tokens": 3}
-    if update:
-        overrides["graph_update"] = update
+    overrides = {"speculative_method": method, "speculative_tokens": 3, **options}
     if name in ("mtp3", "ngram3"):  # K = 3 every step: no draft budget
         overrides["speculative_adaptive"] = False
     if name == "mtp3":
@@ -182,9 +196,9 @@ def main(argv=None):
                 "top_kernels": prof.top if prof else None,
                 "host_profile": hosts,
             })
-        for r in rows:  # over the off engine of the same graph update (NAME@UPDATE), else plain off
-            update = r["engine"].partition("@")[2]
-            off = next((o for o in rows if o["batch"] == batch and o["engine"] == ("off@" + update if update else "off")),
+        for r in rows:  # over the off engine of the same options (NAME@FIELD=VALUE), else plain off
+            options = r["engine"].partition("@")[2]
+            off = next((o for o in rows if o["batch"] == batch and o["engine"] == ("off@" + options if options else "off")),
                        next((o for o in rows if o["batch"] == batch and o["engine"] == "off"), None))
             if r["batch"] == batch and off is not None:
                 r["tok_s_over_off"] = r["tok_per_s"] / off["tok_per_s"]
