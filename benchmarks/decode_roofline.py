@@ -89,6 +89,8 @@ def main(argv=None):
     parser.add_argument("--top-kernels", type=int, default=8, help="kernel names to report per row (by GPU time)")
     parser.add_argument("--graph-scheduling", default="concurrent",
                         help="concurrent | xla: how a GPU step's CUDA graph orders its kernels (EngineConfig)")
+    parser.add_argument("--graph-update", default=EngineConfig.graph_update,
+                        help="always | skip-temp: when a GPU step's CUDA graph is recorded again (EngineConfig)")
     parser.add_argument("--sampling", default="greedy",
                         help=f"comma list of the requests' sampling modes, each measured in the same run: {', '.join(SAMPLING)}")
     parser.add_argument("--no-sync", action="store_true", help="measure overlapped scheduling only")
@@ -122,7 +124,7 @@ def main(argv=None):
         max_num_batched_tokens=args.max_num_batched_tokens or max(max(batches), 8), warmup=False,
         layout=args.layout, num_devices=args.devices,
         min_token_bucket=args.min_token_bucket, scan_layers=args.scan_layers, expert_weights=args.expert_weights,
-        graph_scheduling=args.graph_scheduling, unroll_max_tokens=args.unroll_max_tokens,
+        graph_scheduling=args.graph_scheduling, graph_update=args.graph_update, unroll_max_tokens=args.unroll_max_tokens,
         step_input_memory=args.step_input_memory, compile_cache_dir=args.compile_cache_dir,
         fused_sampler_max_tokens=args.fused_sampler_max_tokens,
     ))
