@@ -364,6 +364,12 @@ def test_graph_update_mode_reaches_gpu_step_compiles_only_and_an_xla_without_it_
         step_compiler_options("gpu", True, graph_update="never")
     with pytest.raises(ValueError, match="graph-update"):
         EngineConfig(graph_update="never").validate()
+    # the engine's config reaches the executor (its one recipe for StepExecutor's arguments)
+    from splash_jax.engine.sampler import SamplerWidths
+    from splash_jax.engine.step_programs import step_executor_args
+
+    args = step_executor_args(EngineConfig(graph_update="skip-temp"), "gpu", 1, 4, SamplerWidths(1, 0), 0, 0)
+    assert args["graph_update"] == "skip-temp"
 
 
 def test_an_expanded_program_that_does_not_build_leaves_its_bucket_absorbed(monkeypatch):

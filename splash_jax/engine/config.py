@@ -200,6 +200,8 @@ class EngineConfig:
     # default: every command whose buffers moved since the last call is recorded again, before each
     # launch) | skip-temp (the program's temporaries live at fixed virtual addresses, remapped per
     # call, so the commands that touch only them are never recorded again). compile_options.GRAPH_UPDATE.
+    # skip-temp made the program call 7-9% cheaper on an H100 (bundled model, batch 8, two processes;
+    # docs/speculative.md); always stays the default until an A/B inside one process confirms it.
     graph_update: str = "always"
     # Move everything alive after start-up (model, compiled programs, jax's caches) out of the
     # garbage collector's reach (gc.freeze). A full collection otherwise walks all of it: 363 ms
@@ -318,8 +320,10 @@ class EngineConfig:
             raise ValueError(f"--structured-json-whitespace must be compact or flexible, got {self.structured_json_whitespace!r}")
         if self.graph_scheduling not in ("concurrent", "xla"):
             raise ValueError(f"--graph-scheduling must be concurrent or xla, got {self.graph_scheduling!r}")
-        if self.graph_update not in ("always", "skip-temp"):
-            raise ValueError(f"--graph-update must be always or skip-temp, got {self.graph_update!r}")
+        from splash_jax.engine.compile_options import GRAPH_UPDATE
+
+        if self.graph_update not in GRAPH_UPDATE:
+            raise ValueError(f"--graph-update must be one of {', '.join(GRAPH_UPDATE)}, got {self.graph_update!r}")
         if self.step_input_memory not in ("auto", "pinned_host", "device"):
             raise ValueError(f"--step-input-memory must be auto, pinned_host or device, got {self.step_input_memory!r}")
         if self.fused_sampler_max_tokens is not None and self.fused_sampler_max_tokens < 0:
